@@ -1,0 +1,64 @@
+"""Staleness, IS, KL and baseline metrics."""
+
+import math
+
+import torch
+
+from tests.vcpo.helpers import tensor
+from vcpo import metrics as m
+
+
+def test_staleness_metrics_with_log2_histogram():
+    lags = torch.tensor([0, 1, 2, 3, 4, 200])
+    valid = torch.tensor([True, True, True, True, True, False])
+    result = m.staleness_metrics(lags, valid)
+    # valid lags [0, 1, 2, 3, 4]: mean 10/5 = 2, max 4; bins 0→0, 1→1, 2,3→2, 4→3
+    assert result[m.STALENESS_MEAN].item() == 2.0 and result[m.STALENESS_MAX].item() == 4.0
+    assert result[m.STALENESS_HIST].tolist() == [1, 1, 2, 1, 0, 0, 0, 0, 0]
+    # 127 → bin 7 ([64, 127]); 128 and beyond → last bin 8
+    assert m.staleness_bin(torch.tensor([64, 127, 128, 10_000])).tolist() == [7, 7, 8, 8]
+
+
+def test_is_weight_metrics_hand_computed():
+    log_w = torch.log(tensor([1.0, 2.0, 4.0, 16.0]))
+    result = m.is_weight_metrics(log_w, torch.ones(4, dtype=torch.bool), cap=8.0)
+    # ESS = 23²/277 = 1.909747 → ρ = 0.477437; clipped w̄ = [1, 2, 4, 8]: 15²/85 = 2.647059 → 0.661765
+    torch.testing.assert_close(result[m.IS_ESS_RATIO], tensor(0.477437))
+    torch.testing.assert_close(result[m.IS_ESS_RATIO_CLIPPED], tensor(0.661765))
+    # w_max 16; p99 by linear interpolation at 0.99·3 = 2.97: 4 + 0.97·12 = 15.64; mean log w = 7 ln 2 / 4
+    torch.testing.assert_close(result[m.IS_W_MAX], tensor(16.0))
+    torch.testing.assert_close(result[m.IS_W_P99], tensor(15.64))
+    torch.testing.assert_close(result[m.IS_LOG_W_MEAN], tensor(7 * math.log(2.0) / 4))
+
+
+def test_is_weight_metrics_of_an_empty_batch_are_zero():
+    result = m.is_weight_metrics(tensor([1.0, 2.0]), torch.zeros(2, dtype=torch.bool))
+    assert all(value.item() == 0.0 for value in result.values())
+
+
+def test_kl_k3_estimates_kl_from_mu_to_pi_under_samples_from_mu():
+    # μ uniform over 3 tokens, so the token mean IS the expectation under μ; π = [0.7, 0.2, 0.1]
+    pi = tensor([0.7, 0.2, 0.1])
+    old_logprobs, behavior_logprobs = pi.log()[None], torch.full((1, 3), math.log(1 / 3))
+    estimate = m.behavior_kl_k3(old_logprobs, behavior_logprobs, torch.ones(1, 3, dtype=torch.bool))
+    # KL(μ‖π) = Σ (1/3) ln((1/3)/π) = (1/3)(−0.741937 + 0.510826 + 1.203973) = 0.324287
+    kl_mu_pi = sum((1 / 3) * math.log((1 / 3) / p) for p in pi.tolist())
+    torch.testing.assert_close(estimate, tensor(kl_mu_pi))
+    torch.testing.assert_close(estimate, tensor(0.324287))
+    # VCPO.md's e^{−ℓ} + ℓ − 1 averaged under μ: mean(μ/π) − 0.324287 − 1 = 1.825397 − 1.324287 = 0.501110,
+    # not KL(μ‖π) (it is K3 for KL(π‖μ) when the samples come from π)
+    ell = old_logprobs - behavior_logprobs
+    torch.testing.assert_close((ell.neg().exp() + ell - 1).mean(), tensor(0.501110))
+
+
+def test_token_fraction_reward_and_opob_metrics():
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    selected = torch.tensor([[True, False, True], [False, False, True]])
+    # selected ∧ trained = 2 of 5 tokens
+    torch.testing.assert_close(m.token_fraction(selected, mask), tensor(0.4))
+    rewards = m.reward_metrics(tensor([1.0, 0.0, 0.0, 1.0, 99.0]), torch.tensor([True] * 4 + [False]))
+    assert rewards[m.REWARD_MEAN].item() == 0.5 and rewards[m.REWARD_STD].item() == 0.5
+    opob = m.opob_metrics(tensor([0.8, 0.2, 5.0]), tensor([0.5, 0.5, 0.0]), torch.tensor([True, True, False]))
+    # baseline mean (0.8 + 0.2)/2 = 0.5; gap (|0.3| + |−0.3|)/2 = 0.3
+    torch.testing.assert_close(opob[m.OPOB_BASELINE_MEAN], tensor(0.5))
+    torch.testing.assert_close(opob[m.OPOB_GAP_TO_GROUP_MEAN], tensor(0.3))

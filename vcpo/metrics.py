@@ -1,0 +1,137 @@
+"""Staleness, importance-sampling and baseline metrics every training step logs (VCPO.md).
+
+Metric names are the constants below; every function returns dict[str, Tensor] of 0-d tensors
+(the staleness histogram is a 1-d tensor of counts). Nothing is synced or logged here.
+
+KL convention: `is/kl_k3` estimates KL(μ‖π) from the tokens sampled by μ. With ℓ = log π − log μ,
+the K3 estimator under samples from μ is e^{ℓ} − 1 − ℓ (unbiased: E_μ[e^ℓ] = 1, so
+E_μ[e^ℓ − 1 − ℓ] = E_μ[log μ − log π]; and ≥ 0). VCPO.md writes e^{−ℓ} + ℓ − 1, which is the K3
+estimator of KL(π‖μ) under samples from π; our samples come from μ, hence the form used here.
+π is the proximal policy π_old (the learner's logprobs at the start of the step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from vcpo.is_weights import DEFAULT_MAX_LOG_RATIO, clamp_log_ratios, ess_ratio
+
+STALENESS_MEAN = "staleness/mean"
+STALENESS_MAX = "staleness/max"
+STALENESS_HIST = "staleness/hist"
+IS_ESS_RATIO = "is/ess_ratio"
+IS_ESS_RATIO_CLIPPED = "is/ess_ratio_clipped"
+IS_W_MAX = "is/w_max"
+IS_W_P99 = "is/w_p99"
+IS_LOG_W_MEAN = "is/log_w_mean"
+IS_KL_K3 = "is/kl_k3"
+PG_CLIP_FRAC = "pg/clip_frac"
+PG_MASKED_FRAC = "pg/masked_frac"
+OPOB_BASELINE_MEAN = "opob/baseline_mean"
+OPOB_GAP_TO_GROUP_MEAN = "opob/gap_to_group_mean"
+REWARD_MEAN = "reward/mean"
+REWARD_STD = "reward/std"
+TOKENS_TRAINED = "tokens/trained"
+
+STALENESS_HIST_BINS = 9
+"""Histogram bins of lags: [0], [1], [2,3], [4,7], ..., [64,127], [128, ∞) (log2 bins up to k = 128)."""
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    values = torch.where(mask, values, torch.zeros_like(values))
+    return values.sum() / mask.sum().clamp_min(1).to(values.dtype)
+
+
+def staleness_bin(lags: Tensor, num_bins: int = STALENESS_HIST_BINS) -> Tensor:
+    """Bin of each lag (any shape, long ≥ 0): 0 → 0, and lag ∈ [2^{b−1}, 2^b) → b, capped at num_bins − 1."""
+    lags = lags.clamp_min(0)
+    log2 = torch.floor(torch.log2(lags.clamp_min(1).double())).long() + 1
+    return torch.where(lags == 0, torch.zeros_like(log2), log2).clamp(max=num_bins - 1)
+
+
+def staleness_metrics(lags: Tensor, valid: Tensor, num_bins: int = STALENESS_HIST_BINS) -> dict[str, Tensor]:
+    """staleness/{mean, max, hist} over valid trajectories.
+
+    lags: (B,) long policy lag v − v_start per trajectory. valid: (B,) bool.
+    hist: (num_bins,) counts in log2 bins (see `staleness_bin`).
+    """
+    lags_f = lags.float()
+    hist = torch.zeros(num_bins, dtype=torch.long, device=lags.device)
+    hist = hist.index_add_(0, staleness_bin(lags, num_bins), valid.long())
+    return {
+        STALENESS_MEAN: _masked_mean(lags_f, valid),
+        STALENESS_MAX: torch.where(valid, lags_f, torch.zeros_like(lags_f)).max()
+        if lags.numel()
+        else lags_f.sum(),
+        STALENESS_HIST: hist,
+    }
+
+
+def is_weight_metrics(
+    seq_log_ratios: Tensor, valid: Tensor, cap: float = 8.0, max_log_ratio: float = DEFAULT_MAX_LOG_RATIO
+) -> dict[str, Tensor]:
+    """is/{ess_ratio, ess_ratio_clipped, w_max, w_p99, log_w_mean} over valid trajectories.
+
+    seq_log_ratios: (B,) L_i = log w_i (finite where valid). valid: (B,) bool. cap: C of w̄.
+    w_max and w_p99 are reported from clamped L (≤ e^max_log_ratio); log_w_mean is unclamped.
+    """
+    log_w = torch.where(valid, seq_log_ratios.float(), torch.zeros_like(seq_log_ratios, dtype=torch.float32))
+    weights = torch.where(valid, clamp_log_ratios(log_w, max_log_ratio).exp(), torch.zeros_like(log_w))
+    valid_weights = weights[valid]  # one sync: the quantile needs the valid count
+    empty = valid_weights.numel() == 0
+    zero = torch.zeros((), device=log_w.device)
+    return {
+        IS_ESS_RATIO: ess_ratio(log_w, valid),
+        IS_ESS_RATIO_CLIPPED: ess_ratio(log_w.clamp(max=math.log(cap)), valid),
+        IS_W_MAX: zero if empty else valid_weights.max(),
+        IS_W_P99: zero if empty else torch.quantile(valid_weights, 0.99),  # linear interpolation
+        IS_LOG_W_MEAN: _masked_mean(log_w, valid),
+    }
+
+
+def behavior_kl_k3(
+    old_logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    loss_mask: Tensor,
+    max_log_ratio: float = DEFAULT_MAX_LOG_RATIO,
+) -> Tensor:
+    """is/kl_k3: token-mean of e^{ℓ} − 1 − ℓ, ℓ = log π_old − log μ → 0-d, estimating KL(μ‖π_old).
+
+    old_logprobs, behavior_logprobs: (B, T). loss_mask: (B, T) bool tokens (sampled by μ).
+    """
+    diff = clamp_log_ratios(old_logprobs.detach().float() - behavior_logprobs.detach().float(), max_log_ratio)
+    diff = torch.where(loss_mask, diff, torch.zeros_like(diff))
+    # K3 for KL(μ‖π) under samples from μ: e^{ℓ} − 1 − ℓ
+    return _masked_mean(diff.exp() - 1.0 - diff, loss_mask)
+
+
+def token_fraction(selected: Tensor, loss_mask: Tensor) -> Tensor:
+    """Fraction of trained tokens (loss_mask (B, T) bool) that are `selected` (B, T) bool → 0-d
+    (pg/clip_frac, pg/masked_frac)."""
+    return (selected & loss_mask).sum().float() / loss_mask.sum().clamp_min(1).float()
+
+
+def reward_metrics(rewards: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    """reward/{mean, std} (population std) over valid trajectories. rewards: (B,); valid: (B,) bool."""
+    rewards = rewards.float()
+    mean = _masked_mean(rewards, valid)
+    centred = torch.where(valid, rewards - mean, torch.zeros_like(rewards))
+    return {REWARD_MEAN: mean, REWARD_STD: _masked_mean(centred * centred, valid).sqrt()}
+
+
+def opob_metrics(baseline_per_group: Tensor, group_mean_reward: Tensor, present: Tensor) -> dict[str, Tensor]:
+    """opob/{baseline_mean, gap_to_group_mean} over the groups present in the batch.
+
+    baseline_per_group: (G,) b*_g. group_mean_reward: (G,) plain mean reward of the group.
+    present: (G,) bool, groups with at least one valid trajectory.
+    gap_to_group_mean is the mean |b*_g − mean_g|: how far the optimal baseline moved from GRPO's.
+    """
+    baseline = baseline_per_group.float()
+    gap = (baseline - group_mean_reward.float()).abs()
+    return {
+        OPOB_BASELINE_MEAN: _masked_mean(baseline, present),
+        OPOB_GAP_TO_GROUP_MEAN: _masked_mean(gap, present),
+    }

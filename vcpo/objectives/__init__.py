@@ -1,0 +1,43 @@
+"""Policy objectives behind one interface (`Objective`): VCPO and every comparison objective.
+
+Build them by name with `vcpo.registry.make_objective`.
+"""
+
+from vcpo.objectives.base import (
+    LossCounts,
+    Objective,
+    ObjectiveBase,
+    PolicyLossInputs,
+    PolicyLossOutput,
+    PreparedBatch,
+    Surrogate,
+    prepare_batch,
+)
+from vcpo.objectives.clipped import BAPO, GRPO, M2PO, MIS, DrGRPO, PpoClipOptions, TokenTIS
+from vcpo.objectives.tba import TBA
+from vcpo.objectives.weighted import OTB, RLOO, VCPO, Reinforce, SeqTIS, SequenceTisOptions
+
+__all__ = [
+    "BAPO",
+    "GRPO",
+    "M2PO",
+    "MIS",
+    "OTB",
+    "RLOO",
+    "TBA",
+    "VCPO",
+    "DrGRPO",
+    "LossCounts",
+    "Objective",
+    "ObjectiveBase",
+    "PolicyLossInputs",
+    "PolicyLossOutput",
+    "PpoClipOptions",
+    "PreparedBatch",
+    "Reinforce",
+    "SeqTIS",
+    "SequenceTisOptions",
+    "Surrogate",
+    "TokenTIS",
+    "prepare_batch",
+]

@@ -1,0 +1,258 @@
+"""PPO-family objectives: a clipped ratio surrogate on top of group advantages.
+
+| name      | advantage          | ratio in the clip          | behaviour correction            |
+| --------- | ------------------ | -------------------------- | ------------------------------- |
+| grpo      | (R − mean_g)/σ_g   | π_θ/π_old                  | none                            |
+| dr_grpo   | R − mean_g         | π_θ/π_old                  | none                            |
+| token_tis | (R − mean_g)/σ_g   | π_θ/π_old                  | × min(π_old/μ, C_tok) per token |
+| mis       | (R − mean_g)/σ_g   | π_θ/π_old                  | × π_old/μ, dropped off [1/C, C] |
+| m2po      | (R − mean_g)/σ_g   | π_θ/μ, unclipped           | second-moment token mask        |
+| bapo      | (R − mean_g)/σ_g   | π_θ/μ, adaptive bounds     | none (the bounds absorb it)     |
+
+Why: PPO's ratio measures drift from the policy that computed the advantages' sampling
+distribution. GRPO-style objectives treat π_old as that policy (the behaviour mismatch is
+ignored, or corrected separately by the detached TIS/MIS factor — decoupled PPO). M2PO and BAPO
+were designed for stale data and define their ratio against the rollout policy μ itself, so
+their mask/bounds act on the staleness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vcpo.advantages import dr_grpo_advantages, grpo_advantages
+from vcpo.is_weights import token_tis_weights
+from vcpo.objectives.base import ObjectiveBase, PreparedBatch, Surrogate
+from vcpo.policy_losses import clipped_surrogate, ppo_clip_token_loss, ratio_token_loss
+from vcpo.stabilizers import bapo_bounds, m2po_mask, sequence_mis_weights, token_mis_weights
+
+
+def _check_clip(clip_low: float, clip_high: float, dual_clip: float | None) -> list[str]:
+    problems = []
+    if not 0.0 <= clip_low < 1.0:
+        problems.append(f"clip_low={clip_low} must be in [0, 1) (the lower bound is 1 − clip_low)")
+    if clip_high < 0:
+        problems.append(f"clip_high={clip_high} must be ≥ 0")
+    if dual_clip is not None and dual_clip <= 1.0:
+        problems.append(f"dual_clip={dual_clip} must be > 1 or None")
+    return problems
+
+
+@dataclass(frozen=True)
+class PpoClipOptions:
+    """The PPO clip shared by several objectives.
+
+    clip_low: ε_low, ratios below 1 − ε_low stop contributing gradient (A < 0).
+    clip_high: ε_high, clip-higher (DAPO): ratios above 1 + ε_high stop contributing (A > 0).
+    dual_clip: c > 1, a negative-advantage token's loss is at most c·|A|; None disables it.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = 3.0
+
+    def _check_options(self) -> list[str]:
+        return _check_clip(self.clip_low, self.clip_high, self.dual_clip)
+
+    def _clipped_loss(
+        self, batch: PreparedBatch, advantages: torch.Tensor, token_weights: torch.Tensor | None = None
+    ) -> Surrogate:
+        """PPO-clip on π_θ/π_old of the (B,) advantages, optionally × detached (B, T) token weights."""
+        clip = ppo_clip_token_loss(
+            batch.logprobs,
+            batch.old_logprobs,
+            advantages[:, None],
+            self.clip_low,
+            self.clip_high,
+            self.dual_clip,
+            self.max_log_ratio,
+        )
+        token_loss = clip.token_loss if token_weights is None else clip.token_loss * token_weights.detach()
+        loss = self.aggregate(token_loss, batch.loss_mask, batch.num_units)
+        return Surrogate(loss, advantages, clipped=clip.is_clipped)
+
+
+@dataclass(frozen=True)
+class GRPO(PpoClipOptions, ObjectiveBase):
+    """GRPO: A_i = (R_i − mean_g)/(σ_g + ε), PPO-clip on r = π_θ/π_old, no behaviour correction.
+
+    normalize_std: divide by σ_g + ε (False = Dr. GRPO's advantage). eps: ε.
+    Reference: Shao et al. 2024 (DeepSeekMath); clip-higher from Yu et al. 2025 (DAPO).
+    """
+
+    name: ClassVar[str] = "grpo"
+    normalize_std: bool = True
+    eps: float = 1e-6
+
+    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+        if self.normalize_std:
+            advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid, self.eps)
+        else:
+            advantages = dr_grpo_advantages(batch.rewards, batch.groups, batch.valid)
+        return self._clipped_loss(batch, advantages)
+
+
+@dataclass(frozen=True)
+class DrGRPO(PpoClipOptions, ObjectiveBase):
+    """Dr. GRPO: A_i = R_i − mean_g (no std), PPO-clip on π_θ/π_old, token-sum / constant aggregation.
+
+    Reference: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective".
+    """
+
+    name: ClassVar[str] = "dr_grpo"
+    loss_aggregation: str = "seq-mean-token-sum-norm"
+
+    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+        return self._clipped_loss(batch, dr_grpo_advantages(batch.rewards, batch.groups, batch.valid))
+
+
+@dataclass(frozen=True)
+class TokenTIS(PpoClipOptions, ObjectiveBase):
+    """Token TIS: GRPO advantages, PPO-clip on π_θ/π_old, × min(π_old/μ, C_tok) per token (detached).
+
+    token_is_cap: C_tok (VCPO.md default 2). Reference: Yao et al. 2025, "Your Efficient RL
+    Framework Secretly Brings You Off-Policy RL Training".
+    """
+
+    name: ClassVar[str] = "token_tis"
+    token_is_cap: float = 2.0
+
+    def _check_options(self) -> list[str]:
+        cap_problem = [f"token_is_cap={self.token_is_cap} must be > 0"] if self.token_is_cap <= 0 else []
+        return PpoClipOptions._check_options(self) + cap_problem
+
+    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+        weights = token_tis_weights(
+            batch.old_logprobs,
+            batch.behavior_logprobs,
+            batch.loss_mask,
+            self.token_is_cap,
+            self.max_log_ratio,
+        )  # ρ_t = min(π_old/μ, C_tok)
+        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
+        surrogate = self._clipped_loss(batch, advantages, weights)
+        weight_mean = weights.sum() / batch.loss_mask.sum().clamp_min(1)
+        return surrogate._replace(metrics={"is/token_weight_mean": weight_mean})
+
+
+MIS_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class MIS(PpoClipOptions, ObjectiveBase):
+    """Masked IS: GRPO advantages, PPO-clip on π_θ/π_old, × the IS ratio where it lies in [1/C, C].
+
+    level "token": ρ_t = π_old/μ per token, out-of-range tokens dropped.
+    level "sequence": w_i = Π_t π_old/μ, out-of-range trajectories dropped.
+    is_cap: C > 1. Reference: Liu, Li, et al. 2025, "When Speed Kills Stability".
+    """
+
+    name: ClassVar[str] = "mis"
+    is_cap: float = 2.0
+    level: str = "token"
+
+    def _check_options(self) -> list[str]:
+        problems = PpoClipOptions._check_options(self)
+        if self.is_cap <= 1.0:
+            problems.append(f"is_cap={self.is_cap} must be > 1 (kept range [1/C, C])")
+        if self.level not in MIS_LEVELS:
+            problems.append(f"level={self.level!r}; valid: {list(MIS_LEVELS)}")
+        return problems
+
+    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+        if self.level == "token":
+            kept = token_mis_weights(
+                batch.old_logprobs, batch.behavior_logprobs, batch.loss_mask, self.is_cap, self.max_log_ratio
+            )
+        else:
+            kept = sequence_mis_weights(
+                batch.seq_log_ratios, batch.loss_mask, self.is_cap, self.max_log_ratio
+            )
+        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
+        surrogate = self._clipped_loss(batch, advantages, kept.weights)
+        return surrogate._replace(masked=batch.loss_mask & ~kept.kept)
+
+
+@dataclass(frozen=True)
+class M2PO(ObjectiveBase):
+    """M2PO: GRPO advantages, loss −M_t r_t A_i with r_t = π_θ/μ unclipped, M the second-moment mask.
+
+    The mask drops the tokens with the largest (log r_t)² of the minibatch until the mean over kept
+    tokens is ≤ τ. tau: τ (default 0.04). Reference: Zheng, Zhao, Chen 2025 (arXiv:2510.01161).
+    """
+
+    name: ClassVar[str] = "m2po"
+    tau: float = 0.04
+
+    def _check_options(self) -> list[str]:
+        return [f"tau={self.tau} must be > 0"] if self.tau <= 0 else []
+
+    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+        log_ratio = batch.logprobs - batch.behavior_logprobs  # log r_t = log π_θ − log μ
+        mask = m2po_mask(log_ratio, batch.loss_mask, self.tau)
+        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
+        token_loss = ratio_token_loss(log_ratio, advantages[:, None], self.max_log_ratio)
+        # J = (1/Σ|o|) Σ M_{i,t} r_{i,t} A_i: masked tokens contribute 0 but stay in the denominator
+        token_loss = torch.where(mask.kept, token_loss, torch.zeros_like(token_loss))
+        loss = self.aggregate(token_loss, batch.loss_mask, batch.num_units)
+        metrics = {
+            "m2po/second_moment": mask.second_moment,
+            "m2po/kept_second_moment": mask.kept_second_moment,
+        }
+        return Surrogate(loss, advantages, masked=batch.loss_mask & ~mask.kept, metrics=metrics)
+
+
+@dataclass(frozen=True)
+class BAPO(ObjectiveBase):
+    """BAPO: GRPO advantages, clipped surrogate on r = π_θ/μ with per-batch adaptive bounds.
+
+    The bounds start at (clip_low_range[0], clip_high_range[0]); c_high then c_low move up by
+    `step` until positive-advantage tokens make up ≥ positive_fraction of the gradient-carrying
+    objective (see `vcpo.stabilizers.bapo_bounds`). Reference: Xi et al. 2025 (arXiv:2510.18927).
+    """
+
+    name: ClassVar[str] = "bapo"
+    clip_low_range: tuple[float, float] = (0.6, 0.9)
+    clip_high_range: tuple[float, float] = (1.2, 3.0)
+    step: float = 0.05
+    positive_fraction: float = 0.5
+
+    def _check_options(self) -> list[str]:
+        problems = []
+        (low_start, low_max), (high_start, high_max) = self.clip_low_range, self.clip_high_range
+        if not 0.0 < low_start <= low_max < 1.0:
+            problems.append(f"clip_low_range={self.clip_low_range} must satisfy 0 < start ≤ max < 1")
+        if not 1.0 < high_start <= high_max:
+            problems.append(f"clip_high_range={self.clip_high_range} must satisfy 1 < start ≤ max")
+        if self.step <= 0:
+            problems.append(f"step={self.step} must be > 0")
+        if not 0.0 < self.positive_fraction < 1.0:
+            problems.append(f"positive_fraction={self.positive_fraction} must be in (0, 1)")
+        return problems
+
+    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+        log_ratio = batch.logprobs - batch.behavior_logprobs  # log r_t = log π_θ − log μ
+        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
+        ratio = log_ratio.detach().clamp(-self.max_log_ratio, self.max_log_ratio).exp()
+        bounds = bapo_bounds(
+            ratio,
+            advantages[:, None],
+            batch.loss_mask,
+            self.clip_low_range,
+            self.clip_high_range,
+            self.step,
+            self.positive_fraction,
+        )
+        clip = clipped_surrogate(
+            log_ratio, advantages[:, None], bounds.lower_bound, bounds.upper_bound, None, self.max_log_ratio
+        )
+        loss = self.aggregate(clip.token_loss, batch.loss_mask, batch.num_units)
+        metrics = {
+            "bapo/clip_low": bounds.lower_bound,
+            "bapo/clip_high": bounds.upper_bound,
+            "bapo/positive_fraction": bounds.positive_fraction,
+        }
+        return Surrogate(loss, advantages, clipped=clip.is_clipped, metrics=metrics)

@@ -1,0 +1,215 @@
+"""REINFORCE-family objectives: loss −c · log π_θ with a detached coefficient c per trajectory/token.
+
+| name      | coefficient c                                     | ratio                              |
+| --------- | ------------------------------------------------- | ---------------------------------- |
+| reinforce | R_i − mean_batch                                  | none (on-policy)                   |
+| rloo      | R_i − mean of the other G−1 rewards of the group  | none (on-policy)                   |
+| seq_tis   | w̄_i (R_i − mean_g)/(σ_g + ε)                      | w̄_i = min(π_old(τ)/μ(τ), C)       |
+| vcpo      | w̄_i (R_i − b*_g)/(σ_g + ε), b* the OPOB           | w̄_i = min(π_old(τ)/μ(τ), C)       |
+| otb       | w̄_i (R_i − B*_{g,k}) per token, B* the OTB        | w̄_i = min(π_old(τ)/μ(τ), C) or none |
+
+The gradient is c ∇log π_θ; with the default aggregation seq-mean-token-mean the loss is
+−(1/B) Σ_i c_i ℓ_i with ℓ_i the mean log π_θ over M_i, VCPO.md's ĝ. There is no ratio to π_old:
+these objectives take one optimizer step per minibatch (the asynchronous setting), where
+π_θ = π_old at the forward pass, so the whole behaviour correction is the sequence weight π_old/μ.
+seq_tis and vcpo differ only in the baseline, which makes the ablations exact:
+"ESS lr only" = seq_tis + `EssLr`, "OPOB only" = vcpo + `ConstantLr`, VCPO = vcpo + `EssLr`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from vcpo.advantages import grpo_advantages, reinforce_advantages, rloo_advantages
+from vcpo.groups import degenerate_groups, group_count, group_mean, group_std, single_group
+from vcpo.is_weights import sequence_is_weights, truncated_is_weights
+from vcpo.metrics import opob_metrics
+from vcpo.objectives.base import ObjectiveBase, PreparedBatch, Surrogate
+from vcpo.opob import BASELINE_AGGREGATIONS, opob_advantages, opob_baseline_weights, winsorized_mean_baseline
+from vcpo.otb import logit_gradient_energy, optimal_token_baseline, otb_advantages, realized_energy
+from vcpo.policy_losses import reinforce_token_loss
+
+
+def _weighted_loglik_loss(objective: ObjectiveBase, batch: PreparedBatch, coefficients: Tensor) -> Tensor:
+    """aggregate(−c · log π_θ); coefficients (B,) per trajectory or (B, T) per token."""
+    coefficients = coefficients[:, None] if coefficients.dim() == 1 else coefficients
+    return objective.aggregate(
+        reinforce_token_loss(batch.logprobs, coefficients), batch.loss_mask, batch.num_units
+    )
+
+
+def _truncated_weights(objective: ObjectiveBase, batch: PreparedBatch, cap: float) -> Tensor:
+    """w̄_i = min(exp(clamp(L_i)), C), L_i = Σ log π_old − log μ → (B,) fp32."""
+    return truncated_is_weights(sequence_is_weights(batch.seq_log_ratios, objective.max_log_ratio), cap)
+
+
+@dataclass(frozen=True)
+class SequenceTisOptions:
+    """The sequence-level truncated IS weight w̄_i = min(w_i, is_cap) (VCPO.md: C = 8).
+
+    is_cap also sets C of the is/ess_ratio_clipped metric.
+    """
+
+    is_cap: float = 8.0
+
+    def _check_options(self) -> list[str]:
+        return [f"is_cap={self.is_cap} must be > 0"] if self.is_cap <= 0 else []
+
+    @property
+    def ess_clip_cap(self) -> float:
+        return self.is_cap
+
+
+@dataclass(frozen=True)
+class Reinforce(ObjectiveBase):
+    """REINFORCE with the batch-mean baseline, no clipping, no ratio: loss −(R_i − mean_B) log π_θ."""
+
+    name: ClassVar[str] = "reinforce"
+    loss_aggregation: str = "seq-mean-token-mean"
+
+    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+        advantages = reinforce_advantages(batch.rewards, batch.valid)
+        return Surrogate(_weighted_loglik_loss(self, batch, advantages), advantages)
+
+
+@dataclass(frozen=True)
+class RLOO(ObjectiveBase):
+    """RLOO: REINFORCE with the leave-one-out group baseline, no clipping, no ratio.
+
+    Reference: Ahmadian et al. 2024, "Back to Basics" (REINFORCE Leave-One-Out).
+    """
+
+    name: ClassVar[str] = "rloo"
+    loss_aggregation: str = "seq-mean-token-mean"
+
+    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+        advantages = rloo_advantages(batch.rewards, batch.groups, batch.valid)
+        return Surrogate(_weighted_loglik_loss(self, batch, advantages), advantages)
+
+
+@dataclass(frozen=True)
+class SeqTIS(SequenceTisOptions, ObjectiveBase):
+    """Sequence TIS: −w̄_i (R_i − mean_g)/(σ_g + ε) · ℓ_i with w̄_i = min(w_i, C), w_i = π_old(τ_i)/μ(τ_i).
+
+    is_cap: C (VCPO.md default 8). This is VCPO's estimator with the group-mean baseline.
+    """
+
+    name: ClassVar[str] = "seq_tis"
+    loss_aggregation: str = "seq-mean-token-mean"
+
+    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+        truncated = _truncated_weights(self, batch, self.is_cap)
+        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
+        return Surrogate(_weighted_loglik_loss(self, batch, truncated * advantages), advantages)
+
+
+BASELINE_SCOPES = ("group", "minibatch")
+
+
+@dataclass(frozen=True)
+class VCPO(SequenceTisOptions, ObjectiveBase):
+    """VCPO's policy gradient: −(1/B) Σ_i w̄_i (R_i − b*_g)/(σ_g + ε) · ℓ_i with the OPOB b* (opob.py).
+
+    Needs `seq_sq_grad_norms` = ‖∇ℓ_i‖² of the same aggregated ℓ_i this loss uses, unweighted.
+    is_cap: C of w̄ in the gradient. scope: "group" (b* per prompt) or "minibatch".
+    use_is_weights: w_i² in b*'s weights (off = on-policy optimal baseline).
+    use_clipped_weights: w̄_i² instead of w_i² there. normalize_by_length: divide b*'s weight by |M_i|².
+    divide_by_std: divide R_i − b* by σ_g + ε. aggregation: "weighted_mean" (closed form),
+    "weighted_median" or "winsorized_mean" (with winsorize_quantile). eps: ε.
+    Reference: Huang et al. 2026, "Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs".
+    """
+
+    name: ClassVar[str] = "vcpo"
+    uses_grad_norms: ClassVar[bool] = True
+    loss_aggregation: str = "seq-mean-token-mean"
+    scope: str = "group"
+    use_is_weights: bool = True
+    use_clipped_weights: bool = False
+    normalize_by_length: bool = False
+    divide_by_std: bool = True
+    aggregation: str = "weighted_mean"
+    winsorize_quantile: float = 0.75
+    eps: float = 1e-6
+
+    def _check_options(self) -> list[str]:
+        problems = SequenceTisOptions._check_options(self)
+        if self.scope not in BASELINE_SCOPES:
+            problems.append(f"scope={self.scope!r}; valid: {list(BASELINE_SCOPES)}")
+        if self.aggregation not in BASELINE_AGGREGATIONS:
+            problems.append(f"aggregation={self.aggregation!r}; valid: {sorted(BASELINE_AGGREGATIONS)}")
+        if not 0.0 <= self.winsorize_quantile <= 1.0:
+            problems.append(f"winsorize_quantile={self.winsorize_quantile} must be in [0, 1]")
+        return problems
+
+    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+        weights = sequence_is_weights(batch.seq_log_ratios, self.max_log_ratio)
+        truncated = truncated_is_weights(weights, self.is_cap)
+        norms = batch.seq_sq_grad_norms.detach()
+        nonfinite_norms = (batch.valid & ~(torch.isfinite(norms) & (norms >= 0))).sum()
+        baseline_is = (truncated if self.use_clipped_weights else weights) if self.use_is_weights else None
+        lengths = batch.loss_mask.sum(dim=-1) if self.normalize_by_length else None
+        omega = opob_baseline_weights(norms, baseline_is, lengths)  # ω_i = w_i² ‖∇ℓ_i‖² [/ |M_i|²]
+        scope = batch.groups if self.scope == "group" else single_group(batch.rewards.numel(), norms.device)
+        aggregate = BASELINE_AGGREGATIONS[self.aggregation]
+        if aggregate is winsorized_mean_baseline:
+            aggregate = partial(winsorized_mean_baseline, upper_quantile=self.winsorize_quantile)
+        baseline = aggregate(batch.rewards, omega, batch.valid, scope)
+        std = group_std(batch.rewards, batch.valid, batch.groups)[batch.groups.index]
+        # Exact zeros where the advantage has no signal: σ_g = 0 when dividing by it, else a degenerate scope.
+        if self.divide_by_std:
+            no_signal = batch.is_degenerate
+        else:
+            no_signal = degenerate_groups(batch.rewards, batch.valid, scope)[scope.index]
+        keep = batch.valid & ~no_signal
+        advantages = opob_advantages(
+            batch.rewards, baseline.per_trajectory, std, keep, self.divide_by_std, self.eps
+        )
+        loss = _weighted_loglik_loss(self, batch, truncated * advantages)  # IS factor w̄_i once, here
+        per_prompt = group_mean(baseline.per_trajectory, batch.valid, batch.groups)
+        metrics = opob_metrics(
+            per_prompt,
+            group_mean(batch.rewards, batch.valid, batch.groups),
+            group_count(batch.valid, batch.groups) > 0,
+        )
+        return Surrogate(
+            loss,
+            advantages,
+            metrics=metrics,
+            baseline_fallbacks=baseline.is_fallback.sum(),
+            nonfinite_grad_norms=nonfinite_norms,
+        )
+
+
+@dataclass(frozen=True)
+class OTB(SequenceTisOptions, ObjectiveBase):
+    """Optimal token baseline (otb.py): −w̄_i (R_i − B*_{g,k}) log π_θ per token.
+
+    Needs `sum_probs_squared` (Σ_v π_old(v)² per position, from the same forward as old_logprobs).
+    use_is_weights: w̄_i once in the loss and w̄_i² once in the realized energy (False = on-policy
+    OTB). is_cap: C of w̄. No std normalisation (as in the reference).
+    Reference: Li et al. 2026, "The Optimal Token Baseline" (arXiv:2602.07078).
+    """
+
+    name: ClassVar[str] = "otb"
+    uses_sum_probs_squared: ClassVar[bool] = True
+    loss_aggregation: str = "seq-mean-token-mean"
+    use_is_weights: bool = True
+
+    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+        mask = batch.loss_mask
+        truncated = _truncated_weights(self, batch, self.is_cap) if self.use_is_weights else None
+        energy = logit_gradient_energy(batch.old_logprobs, batch.sum_probs_squared, mask)
+        realized = realized_energy(energy, mask, truncated)
+        returns = batch.rewards[:, None].expand(mask.shape)  # outcome reward: G_{i,t} = R_i
+        token_baseline = optimal_token_baseline(returns, realized, mask, batch.groups)
+        keep = (batch.valid & ~batch.is_degenerate)[:, None]
+        advantages = torch.where(keep, otb_advantages(returns, token_baseline.baseline, mask), 0.0)
+        coefficients = advantages if truncated is None else truncated[:, None] * advantages
+        loss = _weighted_loglik_loss(self, batch, coefficients)
+        fallbacks = (token_baseline.is_fallback & mask).sum()
+        return Surrogate(loss, advantages, baseline_fallbacks=fallbacks)

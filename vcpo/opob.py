@@ -1,0 +1,242 @@
+"""VCPO part 2: the off-policy optimal baseline (OPOB) and VCPO's per-trajectory coefficients.
+
+For ĝ(b) = Σ_i w_i (R_i − b) ∇ℓ_i the scalar minimising the second moment Σ_i w_i²(R_i − b)²‖∇ℓ_i‖²
+(the variance of the single-sample estimator drawn from the batch) is the closed form
+
+    b* = Σ_i ω_i R_i / Σ_i ω_i,    ω_i = w_i² ‖∇ℓ_i‖²          (Huang et al. 2026, arXiv:2602.17616)
+
+per prompt group (default) or per minibatch. The IS factor appears exactly once in each place:
+‖∇ℓ_i‖² is the norm of the *unweighted* gradient of trajectory i's aggregated log-likelihood ℓ_i,
+w_i² enters only ω_i, and the gradient estimator multiplies by w̄_i only once:
+
+    ĝ = (1/B) Σ_i w̄_i (R_i − b*_g) / σ_g · ∇ℓ_i.
+
+(The reference code's trap: its per-trajectory gradient already carries w̄_i, so using that
+gradient's norm together with w_i² weights trajectories by w_i²w̄_i² ≈ w_i⁴.)
+
+Robust aggregations replace the weighted mean: a weighted median, or a mean with winsorized ω.
+When a group's total baseline weight is 0 (all norms or weights zero) b* falls back to the group's
+mean reward, and the fallback is reported. Members of degenerate groups (singletons, all rewards
+equal) get advantage and coefficients exactly 0.
+
+Deliberately not here: computing the gradient norms (the learner's job: per-trajectory backward or
+hooks on packed micro-batches) and any reduction across ranks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from vcpo.groups import GroupIndex, group_count, group_mean, group_sum
+
+
+class GroupBaseline(NamedTuple):
+    """A per-group baseline.
+
+    per_group: (G,) fp64 b*_g. per_trajectory: (B,) fp64 b*_{g(i)}.
+    is_fallback: (G,) bool, groups whose total baseline weight was 0 (b* = group mean reward).
+    """
+
+    per_group: Tensor
+    per_trajectory: Tensor
+    is_fallback: Tensor
+
+
+class TwoBufferCoefficients(NamedTuple):
+    """Coefficients of the two-buffer learner: A += a_i ∇ℓ_i, S += s_i ∇ℓ_i, then A −= b*_g S.
+
+    reward_coef: (B,) a_i = w̄_i R_i / (σ_g B). baseline_coef: (B,) s_i = w̄_i / (σ_g B).
+    Both are exactly 0 for invalid trajectories and members of degenerate groups.
+    """
+
+    reward_coef: Tensor
+    baseline_coef: Tensor
+
+
+def opob_baseline_weights(
+    sq_grad_norms: Tensor,
+    is_weights: Tensor | None = None,
+    num_tokens: Tensor | None = None,
+) -> Tensor:
+    """ω_i = w_i² ‖∇ℓ_i‖² [/ |M_i|²] → (B,) fp64; 0 where the product is non-finite or negative.
+
+    sq_grad_norms: (B,) ‖∇_θ ℓ_i‖² of the UNWEIGHTED aggregated log-likelihood of trajectory i, over
+        all trainable parameters (summed across shards by the caller).
+    is_weights: (B,) w_i (or w̄_i to use clipped weights in b*); None = on-policy optimal baseline
+        (ω_i = ‖∇ℓ_i‖²).
+    num_tokens: (B,) |M_i|; when given ω_i is divided by |M_i|² (e.g. norms of a token-sum ℓ_i
+        turned into norms of a token-mean ℓ_i).
+    """
+    weights = sq_grad_norms.detach().double()
+    if is_weights is not None:
+        w = is_weights.detach().double()
+        weights = w * w * weights  # VCPO.md: b* weight w_i² ‖∇ℓ_i‖² (the only place w² appears)
+    if num_tokens is not None:
+        length = num_tokens.detach().double().clamp_min(1.0)
+        weights = weights / (length * length)  # option: divide the weight by |M_i|²
+    usable = torch.isfinite(weights) & (weights >= 0)
+    return torch.where(usable, weights, torch.zeros_like(weights))
+
+
+def _with_fallback(
+    candidate: Tensor, total_weight: Tensor, rewards: Tensor, valid: Tensor, groups: GroupIndex
+) -> GroupBaseline:
+    """b*_g = candidate where the group's Σω > 0, else the group's mean reward."""
+    is_fallback = (total_weight <= 0) & (group_count(valid, groups) > 0)
+    mean_reward = group_mean(rewards.double(), valid, groups)
+    per_group = torch.where(total_weight > 0, candidate, mean_reward)
+    return GroupBaseline(per_group, per_group[groups.index], is_fallback)
+
+
+def weighted_mean_baseline(
+    rewards: Tensor, baseline_weights: Tensor, valid: Tensor, groups: GroupIndex
+) -> GroupBaseline:
+    """b*_g = Σ_{i∈g} ω_i R_i / Σ_{i∈g} ω_i (the closed-form OPOB; VCPO.md).
+
+    rewards: (B,) R_i. baseline_weights: (B,) ω_i from `opob_baseline_weights`.
+    valid: (B,) bool, trajectories that count (others get ω = 0). groups: the baseline's scope
+    (prompt groups, or `single_group` for the minibatch scope).
+    """
+    omega = torch.where(
+        valid, baseline_weights.double(), torch.zeros_like(baseline_weights, dtype=torch.float64)
+    )
+    rewards64 = torch.where(valid, rewards.double(), torch.zeros_like(omega))
+    total = group_sum(omega, groups)
+    # b*_g = Σ_i w_i² ‖∇ℓ_i‖² R_i / Σ_i w_i² ‖∇ℓ_i‖²
+    candidate = group_sum(omega * rewards64, groups) / torch.where(total > 0, total, torch.ones_like(total))
+    return _with_fallback(candidate, total, rewards64, valid, groups)
+
+
+def _sort_within_groups(keys: Tensor, groups: GroupIndex) -> Tensor:
+    """Permutation (B,) sorting by group, then by `keys` ascending inside each group (stable)."""
+    by_key = torch.argsort(keys, stable=True)
+    return by_key[torch.argsort(groups.index[by_key], stable=True)]
+
+
+def _group_starts(groups: GroupIndex) -> Tensor:
+    """(G,) position of each group's first member in the group-sorted order."""
+    sizes = torch.bincount(groups.index, minlength=groups.num_groups)
+    return torch.cumsum(sizes, 0) - sizes
+
+
+def weighted_median_baseline(
+    rewards: Tensor, baseline_weights: Tensor, valid: Tensor, groups: GroupIndex
+) -> GroupBaseline:
+    """b*_g = lower weighted median of the group's rewards under weights ω (robust to one huge ω).
+
+    The lower weighted median is the smallest R_(j) (rewards sorted ascending) whose cumulative
+    weight reaches half of the group's total weight. Arguments as in `weighted_mean_baseline`.
+    """
+    omega = torch.where(
+        valid, baseline_weights.double(), torch.zeros_like(baseline_weights, dtype=torch.float64)
+    )
+    rewards64 = torch.where(valid, rewards.double(), torch.zeros_like(omega))
+    order = _sort_within_groups(rewards64, groups)
+    sorted_rewards, sorted_omega, sorted_group = rewards64[order], omega[order], groups.index[order]
+    total = group_sum(omega, groups)
+    offset = torch.cumsum(total, 0) - total  # weight of all earlier groups in the sorted order
+    cumulative = torch.cumsum(sorted_omega, 0) - offset[sorted_group]
+    reached = (cumulative >= 0.5 * total[sorted_group]) & (sorted_omega > 0)
+    batch_size = rewards.numel()
+    position = torch.arange(batch_size, device=rewards.device)
+    first = torch.full((groups.num_groups,), batch_size, dtype=torch.long, device=rewards.device)
+    first = first.scatter_reduce(0, sorted_group, torch.where(reached, position, batch_size), "amin")
+    candidate = sorted_rewards[first.clamp(max=max(batch_size - 1, 0))]
+    return _with_fallback(candidate, total, rewards64, valid, groups)
+
+
+def winsorized_mean_baseline(
+    rewards: Tensor,
+    baseline_weights: Tensor,
+    valid: Tensor,
+    groups: GroupIndex,
+    upper_quantile: float = 0.75,
+) -> GroupBaseline:
+    """b*_g = weighted mean with ω winsorized: ω_i ← min(ω_i, q-quantile of ω in its group).
+
+    The heavy tail of OPOB is in ω = w²‖∇ℓ‖², not in the (bounded) rewards, so the weights are what
+    gets winsorized. The quantile is the "lower" one: the sorted valid weight at index
+    floor(q·(n_g − 1)). Other arguments as in `weighted_mean_baseline`.
+    """
+    if not 0.0 <= upper_quantile <= 1.0:
+        raise ValueError(f"upper_quantile={upper_quantile} must be in [0, 1]")
+    omega = torch.where(
+        valid, baseline_weights.double(), torch.zeros_like(baseline_weights, dtype=torch.float64)
+    )
+    # Invalid members sort first (key −1 < any ω ≥ 0), so a group's valid weights are its last n_valid.
+    order = _sort_within_groups(torch.where(valid, omega, torch.full_like(omega, -1.0)), groups)
+    members = torch.bincount(groups.index, minlength=groups.num_groups)
+    n_valid = group_count(valid, groups).long()
+    rank = torch.floor(upper_quantile * (n_valid - 1).clamp_min(0).double()).long()
+    position = _group_starts(groups) + (members - n_valid) + rank
+    cap = omega[order][position.clamp(0, max(rewards.numel() - 1, 0))]
+    return weighted_mean_baseline(rewards, torch.minimum(omega, cap[groups.index]), valid, groups)
+
+
+BASELINE_AGGREGATIONS = {
+    "weighted_mean": weighted_mean_baseline,
+    "weighted_median": weighted_median_baseline,
+    "winsorized_mean": winsorized_mean_baseline,
+}
+"""How b* combines a group's rewards, by name (VCPO.md: weighted mean is the default)."""
+
+
+def opob_advantages(
+    rewards: Tensor,
+    baseline: Tensor,
+    group_std: Tensor,
+    keep: Tensor,
+    divide_by_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """A_i = (R_i − b*_g) / (σ_g + ε) (or R_i − b*_g without divide_by_std) → (B,) fp32.
+
+    rewards: (B,) R_i. baseline: (B,) b*_{g(i)}. group_std: (B,) σ_{g(i)}.
+    keep: (B,) bool, False for invalid trajectories and members of degenerate groups: their
+        advantage is exactly 0 (never 0/0).
+    """
+    centred = rewards.double() - baseline.double()
+    if divide_by_std:
+        centred = centred / (group_std.double() + eps)  # VCPO.md: (R_i − b*_g) / σ_g
+    return torch.where(keep, centred, torch.zeros_like(centred)).float()
+
+
+def vcpo_coefficients(
+    truncated_weights: Tensor,
+    rewards: Tensor,
+    group_std: Tensor,
+    keep: Tensor,
+    batch_size: int | Tensor,
+    divide_by_std: bool = True,
+    eps: float = 1e-6,
+) -> TwoBufferCoefficients:
+    """a_i = w̄_i R_i / (σ_g B), s_i = w̄_i / (σ_g B) for the exact two-buffer learner.
+
+    With A = Σ a_i ∇ℓ_i and S = Σ s_i ∇ℓ_i accumulated per group, A − b*_g S equals
+    (1/B) Σ w̄_i (R_i − b*_g)/σ_g ∇ℓ_i: the IS factor w̄_i appears here once, and b* needs only the
+    unweighted norms. truncated_weights: (B,) w̄_i. rewards: (B,) R_i. group_std: (B,) σ_{g(i)}.
+    keep: (B,) bool as in `opob_advantages`. batch_size: B, the global minibatch size.
+    """
+    scale = truncated_weights.detach().double() / torch.as_tensor(batch_size, dtype=torch.float64)
+    if divide_by_std:
+        scale = scale / (group_std.double() + eps)
+    scale = torch.where(keep, scale, torch.zeros_like(scale))
+    # a_i = w̄_i R_i / (σ_g B),  s_i = w̄_i / (σ_g B)
+    return TwoBufferCoefficients(reward_coef=scale * rewards.double(), baseline_coef=scale)
+
+
+def vcpo_loss(seq_logliks: Tensor, truncated_weights: Tensor, advantages: Tensor, valid: Tensor) -> Tensor:
+    """−(1/B) Σ_i w̄_i A_i ℓ_i, whose gradient is VCPO's ĝ when A_i = (R_i − b*_g)/σ_g → 0-d.
+
+    seq_logliks: (B,) ℓ_i, each trajectory's aggregated log-likelihood (with grad; default the mean
+        log π over M_i). truncated_weights: (B,) w̄_i (detached inside). advantages: (B,) from
+        `opob_advantages`. valid: (B,) bool; B counts the valid trajectories.
+    """
+    coefficient = (truncated_weights.detach().float() * advantages.float()).to(seq_logliks.dtype)
+    loglik = torch.where(valid, seq_logliks, torch.zeros_like(seq_logliks))
+    count = valid.sum().clamp_min(1).to(seq_logliks.dtype)
+    # VCPO.md: ĝ = (1/B) Σ_i w̄_i (R_i − b*_g)/σ_g ∇ℓ_i  (loss = −that objective)
+    return -(coefficient * loglik).sum() / count
