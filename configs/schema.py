@@ -184,6 +184,8 @@ class OTBObjective(StrictModel):
     """Objective name."""
     is_cap: float = Field(8.0, gt=0)
     """Truncation C of the sequence IS weight used with the token baseline."""
+    use_is_weights: bool = True
+    """w̄_i once in the loss and w̄_i² in the realised energy; off = on-policy OTB."""
 
 
 class OPOBConfig(StrictModel):
@@ -201,6 +203,8 @@ class OPOBConfig(StrictModel):
     """Divide the advantage R_i − b* by the group reward std σ_g."""
     aggregation: Literal["weighted_mean", "weighted_median", "winsorized_mean"] = "weighted_mean"
     """How b* combines rewards: the closed form (weighted mean) or robust variants."""
+    winsorize_quantile: float = Field(0.75, ge=0, le=1)
+    """winsorized_mean only: cap each group's baseline weights ω at this quantile of the group."""
     grad_norm_path: Literal["fast", "per_trajectory"] = "fast"
     """Per-trajectory gradient norms: hooks on packed micro-batches (fast, exact) or one backward per
     trajectory (the reference)."""
@@ -238,6 +242,8 @@ class ESSLRConfig(StrictModel):
     """ρ0: the ESS ratio treated as on-policy (1.0 math, 0.55 multi-turn in the reference)."""
     use_clipped_weights: bool = False
     """Compute ESS from the truncated weights w̄ instead of w."""
+    is_cap: float = Field(8.0, gt=0)
+    """C of w̄ = min(w, C) when use_clipped_weights is on."""
 
 
 class StalenessLRConfig(StrictModel):
@@ -259,8 +265,9 @@ class AlgoConfig(StrictModel):
     staleness_lr: StalenessLRConfig = Field(default_factory=StalenessLRConfig)
     """Staleness-aware lr (a comparison rule; exclusive with ess_lr)."""
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                              "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
-    """How per-token losses reduce to the scalar loss (VCPO's ℓ_i is the per-trajectory mean)."""
+                              "seq-mean-token-sum-norm"] | None = None
+    """How per-token losses reduce to the scalar loss; None = the objective's own default
+    (seq-mean-token-mean, VCPO's ℓ_i as the per-trajectory mean; dr_grpo: seq-mean-token-sum-norm)."""
     group_size: int = Field(8, ge=1)
     """G: trajectories sampled per prompt."""
     kl_coef: float = Field(0.0, ge=0)
