@@ -322,6 +322,15 @@ class OpobBenchConfig(StrictModel):
     """Seed of the random batch and model."""
 
 
+class SandboxBenchConfig(StrictModel):
+    """`vcpo bench sandbox`: local sandbox latency/throughput vs a bare `python3 -c`, same run."""
+
+    num_calls: int = Field(200, ge=10)
+    """Calls per measurement (latency percentiles and each concurrency level)."""
+    concurrencies: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 8, 32])
+    """Concurrent calls in flight for the throughput measurements."""
+
+
 # ---------------------------------------------------------------------------------------------
 # The run
 

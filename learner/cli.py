@@ -120,9 +120,14 @@ def _bench(args: argparse.Namespace) -> int:
         _set_threads()
         result = run_opob_bench(config, cache_dir=_cache_dir(), progress=_progress)
     else:
+        from configs.loader import apply_overrides, validate_config
+        from configs.schema import SandboxBenchConfig
         from tools.bench import run_sandbox_bench
 
-        result = run_sandbox_bench()
+        raw: dict[str, Any] = {}
+        paths = apply_overrides(raw, args.overrides, source="<command line>")
+        bench = validate_config(raw, SandboxBenchConfig, "<command line>", paths)
+        result = run_sandbox_bench(num_calls=bench.num_calls, concurrencies=tuple(bench.concurrencies))
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:
@@ -132,10 +137,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _sandbox_serve(args: argparse.Namespace) -> int:
+    from configs.loader import load_config
     from tools.sandbox_fusion_server import serve
+    from tools.settings import SandboxServerSettings
 
-    serve(host=args.host, port=args.port, settings_file=args.config,
-          allow_non_loopback=args.allow_non_loopback)
+    settings = load_config(args.config, SandboxServerSettings) if args.config else SandboxServerSettings()
+    if args.allow_non_loopback:
+        settings = settings.model_copy(update={"use_non_loopback_host": True})
+    serve(args.host, args.port, settings)
     return 0
 
 

@@ -9,18 +9,19 @@ import yaml
 from pydantic import BaseModel
 
 from configs import schema as schema_module
-from configs.catalog import schema_for, shipped_config_files
 from configs.loader import ConfigError, load_config, write_resolved_config
 from configs.schema import AlgoConfig, RunConfig
+from learner.config_catalog import shipped_config_files, validate_shipped_file
 
 
 @pytest.mark.parametrize("path", shipped_config_files(), ids=lambda p: p.name)
 def test_every_shipped_yaml_validates(path: Path) -> None:
-    load_config(path, schema_for(path))
+    validate_shipped_file(path)
 
 
 def test_there_are_shipped_configs() -> None:
-    assert len(shipped_config_files()) >= 3
+    folders = {path.parent.name for path in shipped_config_files()}
+    assert {"configs", "bench", "tools", "sandbox"} <= folders
 
 
 def _all_models() -> list[type[BaseModel]]:
@@ -124,3 +125,19 @@ def test_extends_replaces_a_tagged_section_whose_type_changes(tmp_path: Path) ->
     _write(tmp_path, "algo: {objective: {type: vcpo, is_cap: 4.0}}\n", "base.yaml")
     child = _write(tmp_path, "extends: base.yaml\nalgo: {objective: {type: seq_tis}}\n", "child.yaml")
     assert load_config(child, RunConfig).algo.objective.type == "seq_tis"
+
+
+def test_a_broken_shipped_tool_spec_is_reported_with_its_file(tmp_path: Path) -> None:
+    from learner import config_catalog
+
+    folder = tmp_path / "tools"
+    folder.mkdir()
+    bad = folder / "python.yaml"
+    bad.write_text("type: python\ntimeout_s: -1\n")
+    original = config_catalog.CONFIG_ROOT
+    config_catalog.CONFIG_ROOT = tmp_path
+    try:
+        with pytest.raises(ConfigError, match=r"timeout_s"):
+            validate_shipped_file(bad)
+    finally:
+        config_catalog.CONFIG_ROOT = original

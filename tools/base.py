@@ -1,0 +1,136 @@
+"""The one seam between the agent loop and code execution: the `Tool` protocol and its data.
+
+A tool call is a frozen `ToolCall` (code plus optional stdin, files and tighter limits); the answer
+is a frozen `ToolResult`. A failure of the *executed code* (exception, timeout, memory, flood of
+output) is data in the result, never an exception: the model sees it and the loop goes on. Only
+problems on our side raise: a missing sandbox backend or bad settings (`ToolConfigError`,
+`ToolUnavailableError`), or a bug.
+
+This module defines types only; implementations live beside it (`local_sandbox.py`,
+`sandbox_fusion_client.py`, `e2b.py`, `fakes.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ToolStatus = Literal["ok", "error", "timeout", "memory", "output_truncated"]
+"""How a call ended, most severe first when several apply: `timeout` (wall-clock or CPU-time
+limit; the process tree was killed), `memory` (MemoryError or killed by the kernel for memory),
+`error` (an exception or a non-zero exit), `output_truncated` (ran fine but stdout or stderr
+exceeded the byte cap), `ok`."""
+
+Language = Literal["python", "bash"]
+
+_FROZEN_WITH_BYTES = ConfigDict(
+    frozen=True,
+    extra="forbid",
+    use_attribute_docstrings=True,
+    ser_json_bytes="base64",
+    val_json_bytes="base64",
+)
+"""Immutable, strict, and file contents (bytes) as base64 in JSON, so results can be logged."""
+
+
+class ToolCall(BaseModel):
+    """One execution request. Per-call limits can only tighten the tool's configured limits."""
+
+    model_config = _FROZEN_WITH_BYTES
+
+    code: str
+    """Source code to run (the tool's preamble, if any, runs first in the same namespace)."""
+    language: Language = "python"
+    """Interpreter for `code`; `bash` runs under the same sandbox as python."""
+    stdin: str | None = None
+    """Text on the program's standard input; None gives an empty stdin."""
+    timeout_s: float | None = Field(default=None, gt=0)
+    """Wall-clock limit in seconds; None uses the tool's limit, larger values are capped at it."""
+    memory_limit_mb: int | None = Field(default=None, gt=0)
+    """Memory cap in MiB; None uses the tool's limit, larger values are capped at it."""
+    files: Mapping[str, bytes] = Field(default_factory=dict)
+    """Files written into the work directory before the code runs: relative path -> content."""
+    fetch_files: tuple[str, ...] = ()
+    """Paths (relative to the work directory) read back after the run into `ToolResult.files`."""
+
+
+class ToolResult(BaseModel):
+    """What one call produced. Output strings are decoded as UTF-8 with replacement characters."""
+
+    model_config = _FROZEN_WITH_BYTES
+
+    status: ToolStatus
+    """How the call ended; see `ToolStatus`."""
+    stdout: str = ""
+    """Standard output, cut at the tool's byte cap with a marker line when truncated."""
+    stderr: str = ""
+    """Standard error (tracebacks), cut at the byte cap with a marker line when truncated."""
+    exit_code: int | None = None
+    """Process exit status (128+N when killed by signal N); None when the run was timed out."""
+    wall_time_s: float = 0.0
+    """Seconds from handing the code to the sandbox until its result was known."""
+    cpu_time_s: float | None = None
+    """User+system CPU seconds of the code and its children; None when the sandbox was killed."""
+    is_stdout_truncated: bool = False
+    """True when stdout exceeded the byte cap (the rest was read and dropped)."""
+    is_stderr_truncated: bool = False
+    """True when stderr exceeded the byte cap."""
+    message: str = ""
+    """One line for the model or the logs on non-ok results ("Timed out after 2 s ..."); "" if ok."""
+    files: Mapping[str, bytes] = Field(default_factory=dict)
+    """Contents of the requested `fetch_files` that existed (each cut at the tool's file cap)."""
+    is_session_reset: bool = False
+    """True in a stateful session when this call killed the interpreter: earlier variables are gone."""
+
+    @property
+    def is_ok(self) -> bool:
+        return self.status in ("ok", "output_truncated")
+
+
+@runtime_checkable
+class ToolSession(Protocol):
+    """A stateful interpreter for one trajectory: variables survive between calls. Calls are serial."""
+
+    async def run(self, call: ToolCall) -> ToolResult: ...
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A code-execution backend. Use it as an async context manager; `run` may be called
+    concurrently from many tasks (the tool bounds its own concurrency).
+
+    To be built from config by `tools/registry.py`, a class also needs `settings_model` (a
+    pydantic model with `extra="forbid"`) and a constructor taking one instance of it.
+    """
+
+    name: ClassVar[str]
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+    async def run(self, call: ToolCall) -> ToolResult:
+        """Execute one call in a fresh interpreter. Failures of the code are data in the result."""
+        ...
+
+    def session(self) -> AbstractAsyncContextManager[ToolSession]:
+        """A stateful session, closed (and its interpreter killed) when the context exits."""
+        ...
+
+
+class ToolError(Exception):
+    """Base of the errors our tools raise (never for failures of the executed code)."""
+
+
+class ToolConfigError(ToolError, ValueError):
+    """Settings or a tool spec are invalid; the message names the field, the value and the fix."""
+
+
+class ToolUnavailableError(ToolError, RuntimeError):
+    """The backend cannot be used (missing program or package, service down, circuit open)."""
