@@ -22,10 +22,14 @@ def _inputs(batch: int = 6, length: int = 5) -> PolicyLossInputs:
     logprobs = (-torch.rand(batch, length, generator=generator)).requires_grad_(True)
     behavior = logprobs.detach() - 0.1 * torch.rand(batch, length, generator=generator)
     return PolicyLossInputs(
-        logprobs=logprobs, old_logprobs=logprobs.detach(), behavior_logprobs=behavior,
+        logprobs=logprobs,
+        old_logprobs=logprobs.detach(),
+        behavior_logprobs=behavior,
         loss_mask=torch.ones(batch, length, dtype=torch.bool),
-        rewards=torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0]), group_ids=torch.tensor([0, 0, 0, 1, 1, 1]),
-        lags=torch.tensor([0, 1, 2, 0, 1, 2]), ref_logprobs=logprobs.detach() - 0.05,
+        rewards=torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0]),
+        group_ids=torch.tensor([0, 0, 0, 1, 1, 1]),
+        lags=torch.tensor([0, 1, 2, 0, 1, 2]),
+        ref_logprobs=logprobs.detach() - 0.05,
         seq_sq_grad_norms=torch.rand(batch, generator=generator) + 0.5,
         sum_probs_squared=torch.full((batch, length), 0.3),
     )
@@ -57,7 +61,8 @@ def test_dr_grpo_keeps_its_own_aggregation_unless_configured() -> None:
 
 def test_vcpo_baseline_options_map_to_flat_parameters_without_learner_only_fields() -> None:
     algo = AlgoConfig.model_validate(
-        {"objective": {"type": "vcpo", "opob": {"scope": "minibatch", "aggregation": "weighted_median"}}})
+        {"objective": {"type": "vcpo", "opob": {"scope": "minibatch", "aggregation": "weighted_median"}}}
+    )
     params = objective_params(algo)
     assert (params["scope"], params["aggregation"]) == ("minibatch", "weighted_median")
     assert "grad_norm_path" not in params and "opob" not in params
@@ -71,6 +76,7 @@ def test_step_size_rules_and_vcpo_ablations() -> None:
     opob_only = AlgoConfig.model_validate({"ess_lr": {"enabled": False}})
     assert isinstance(build_lr_scale_rule(opob_only), ConstantLr)
     stale = AlgoConfig.model_validate(
-        {"ess_lr": {"enabled": False}, "staleness_lr": {"enabled": True, "s0": 2}})
+        {"ess_lr": {"enabled": False}, "staleness_lr": {"enabled": True, "s0": 2}}
+    )
     rule = build_lr_scale_rule(stale)
     assert isinstance(rule, StalenessLr) and rule.s0 == 2
