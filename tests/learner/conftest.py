@@ -1,0 +1,80 @@
+"""Tiny random-weight HF causal LMs and packed variable-length trajectories for learner tests."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from learner.packing import TrajectoryTokens
+
+VOCAB = 160
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 48,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "pad_token_id": 0,
+}
+
+
+def tiny_model(kind: str, attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    """kind: 'llama_tied' (SmolLM2-like), 'llama_untied', or 'qwen2' (q/k/v biases, untied)."""
+    torch.manual_seed(seed)
+    if kind == "qwen2":
+        config = Qwen2Config(**_COMMON, tie_word_embeddings=False, attn_implementation=attn_implementation)
+        model = Qwen2ForCausalLM(config)
+    else:
+        config = LlamaConfig(
+            **_COMMON, tie_word_embeddings=kind == "llama_tied", attn_implementation=attn_implementation
+        )
+        model = LlamaForCausalLM(config)
+    with torch.no_grad():  # random RMSNorm scales, so a wrong x̂ or δ cannot hide behind ones
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model.float().eval()
+
+
+def random_trajectories(num_groups: int, per_group: int, seed: int = 0) -> list[TrajectoryTokens]:
+    """Lengths 3..40; a 1–5 token prompt masked out, and in longer ones a 3-token tool span too.
+
+    Token 0 (the pad id) appears in some trajectories so the embedding's padding_idx is exercised.
+    """
+    rng = random.Random(seed)
+    trajectories = []
+    for group in range(num_groups):
+        for _ in range(per_group):
+            length = rng.randint(3, 40)
+            prompt = rng.randint(1, min(5, length - 1))
+            ids = [rng.randrange(VOCAB) for _ in range(length)]
+            if rng.random() < 0.3:
+                ids[rng.randrange(length)] = 0
+            loss_mask = [False] * prompt + [True] * (length - prompt)
+            if length - prompt > 8:
+                tool_start = rng.randint(prompt + 1, length - 4)
+                loss_mask[tool_start : tool_start + 3] = [False] * 3
+            trajectories.append(TrajectoryTokens(ids, loss_mask, group_id=100 + group))
+    return trajectories
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine a busy
+    neighbour makes OpenMP's spinning threads ~100× slower; run each learner test on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def trajectories() -> list[TrajectoryTokens]:
+    """3 groups × 3 trajectories (about 200 tokens)."""
+    return random_trajectories(num_groups=3, per_group=3)
