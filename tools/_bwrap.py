@@ -162,10 +162,12 @@ def build_bwrap_argv(
     """The full argv: `bwrap <isolation> -- <command>`."""
     size_bytes = str(settings.work_dir_size_mb << 20)
     argv = [bwrap, *_system_args()]
+    # The work-dir tmpfs goes first: bwrap mounts in order, so binds of paths under /tmp (a venv in
+    # /tmp/...) land on top of it instead of being hidden by it.
+    argv += ["--size", size_bytes, "--perms", "01777", "--tmpfs", WORK_DIR]
     argv += _bind_args(tuple(layout.read_only_paths) + tuple(settings.extra_read_only_paths))
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--size", size_bytes, "--perms", "01777", "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
-    argv += ["--size", size_bytes, "--perms", "01777", "--tmpfs", WORK_DIR]
     argv += ["--remount-ro", "/", "--chdir", WORK_DIR, "--clearenv"]
     for key, value in sandbox_env(settings).items():
         argv += ["--setenv", key, value]

@@ -136,6 +136,18 @@ class SandboxLauncher:
             if not self.is_isolated:
                 shutil.rmtree(work_dir, ignore_errors=True)
 
+        child_fds_open = True
+
+        def close_child_fds() -> None:
+            nonlocal child_fds_open
+            if child_fds_open:
+                child_fds_open = False
+                child_end.close()
+                if info_write is not None:
+                    os.close(info_write)
+                if seccomp_read is not None:
+                    os.close(seccomp_read)
+
         started = False
         try:
             if self._bwrap is not None:
@@ -163,6 +175,7 @@ class SandboxLauncher:
                 info_fd=info_read,
                 startup_timeout_s=self.settings.startup_timeout_s,
                 on_exit=on_exit,
+                after_spawn=close_child_fds,
             )
         finally:
             if not started:
@@ -170,11 +183,7 @@ class SandboxLauncher:
                 on_exit()
                 if info_read is not None:
                     os.close(info_read)
-            if info_write is not None:
-                os.close(info_write)
-            child_end.close()
-            if seccomp_read is not None:
-                os.close(seccomp_read)
+            close_child_fds()
 
     def _seccomp_pipe(self) -> int | None:
         """A pipe holding the filter program; bwrap reads it once at start."""

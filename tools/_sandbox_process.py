@@ -93,9 +93,14 @@ class SandboxProcess:
         info_fd: int | None,
         startup_timeout_s: float,
         on_exit: Callable[[], None],
+        after_spawn: Callable[[], None] = lambda: None,
     ) -> SandboxProcess:
         """Start `argv` and wait for the runner's `ready`. Raises ToolUnavailableError with bwrap's
-        own error message when the sandbox cannot start."""
+        own error message when the sandbox cannot start.
+
+        `after_spawn` runs as soon as the child exists: it must close this process's copies of the
+        child's descriptors, or a sandbox that dies at once is noticed only at the start-up timeout
+        (the control socket would never reach end-of-file)."""
         control.setblocking(False)
         try:
             process = await asyncio.create_subprocess_exec(
@@ -113,6 +118,7 @@ class SandboxProcess:
             if info_fd is not None:
                 os.close(info_fd)
             raise ToolUnavailableError(f"cannot start the sandbox ({argv[0]}): {error}") from error
+        after_spawn()
         sandbox = cls(process, control, on_exit)
         try:
             await sandbox._wait_ready(startup_timeout_s)

@@ -42,6 +42,8 @@ class WarmPool:
         self._idle: collections.deque[SandboxProcess] = collections.deque()
         self._waiters: collections.deque[asyncio.Future[SandboxProcess]] = collections.deque()
         self._starting: set[asyncio.Task[None]] = set()
+        self._is_failing = False
+        """The last start failed (cleared by the next success)."""
         self._is_open = False
         self.hits = 0
         """Calls served by a sandbox that was idle when they asked."""
@@ -69,9 +71,10 @@ class WarmPool:
             await self._idle.popleft().close()
 
     async def wait_until_settled(self) -> None:
-        """Wait until no sandbox is starting (the pool is full or out of demand)."""
-        while self._starting:
-            await asyncio.gather(*list(self._starting), return_exceptions=True)
+        """Wait until no sandbox is starting (the pool is full or out of demand), or until starts
+        fail: a failing pool keeps retrying in the background, and this must not wait for that."""
+        while self._starting and not self._is_failing:
+            await asyncio.wait(set(self._starting), timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
 
     def replenish(self) -> None:
         """Start sandboxes until the pool is full again (see the module docstring for when)."""
@@ -112,6 +115,7 @@ class WarmPool:
         try:
             sandbox = await self._start()
         except ToolUnavailableError as error:
+            self._is_failing = True
             waiter = self._next_waiter()
             if waiter is not None:
                 waiter.set_exception(error)
@@ -121,6 +125,7 @@ class WarmPool:
                 )
                 await asyncio.sleep(_RETRY_AFTER_FAILURE_S)
         else:
+            self._is_failing = False
             self._deliver(sandbox)
         finally:
             current = asyncio.current_task()

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -257,3 +260,42 @@ async def test_cpu_time_limit_is_a_timeout_distinct_from_the_wall_clock() -> Non
         result = await tool.run(ToolCall(code="while True: pass"))
     assert result.status == "timeout" and result.exit_code == 128 + 24  # SIGXCPU
     assert result.message.startswith("CPU time limit of 1 s exceeded") and result.wall_time_s < 5
+
+
+async def test_an_interpreter_inside_tmp_is_not_hidden_by_the_private_tmp() -> None:
+    """A checkout (and its venv) under /tmp: the sandbox's own tmpfs at /tmp must not shadow it."""
+
+    root = Path(tempfile.mkdtemp(prefix="vcpo-venv-", dir="/tmp"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True)
+        settings = SMALL_LIMITS.model_copy(update={"interpreter": str(root / "venv" / "bin" / "python")})
+        async with LocalPythonSandbox(settings) as tool:
+            result = await tool.run(ToolCall(code="import sys; print(sys.executable)"))
+        assert result.status == "ok", result
+        assert result.stdout.strip() == str(root / "venv" / "bin" / "python")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_a_sandbox_that_dies_at_start_fails_fast_not_at_the_timeout() -> None:
+    settings = SMALL_LIMITS.model_copy(update={"bwrap_path": "/bin/false", "startup_timeout_s": 120.0})
+    started = time.monotonic()
+    with pytest.raises(ToolUnavailableError, match="did not start"):
+        async with LocalPythonSandbox(settings):
+            pass
+    assert time.monotonic() - started < 60  # end-of-file on the control socket, not the 120 s timeout
+
+
+async def test_waiting_for_a_warm_pool_whose_starts_fail_returns() -> None:
+    from tools._warm_pool import WarmPool
+
+    attempts = 0
+
+    async def failing_start() -> Any:
+        nonlocal attempts
+        attempts += 1
+        raise ToolUnavailableError("no sandbox today")
+
+    async with WarmPool(failing_start, 2, 2) as pool:
+        await asyncio.wait_for(pool.wait_until_settled(), timeout=30)
+    assert attempts >= 1
