@@ -27,7 +27,7 @@ def test_opob_bench_reports_every_step_and_ratio(tmp_path: Path) -> None:
 
 def test_bench_cli_writes_json(tmp_path: Path, capsys) -> None:
     out = tmp_path / "bench.json"
-    code = main(["bench", "opob", "model=tiny", "lengths=[16]", "repeats=1", "--out", str(out)])
+    code = main(["bench", "opob", "--out", str(out), "model=tiny", "lengths=[16]", "repeats=1"])
     assert code == 0
     assert json.loads(out.read_text())["rows"][0]["length"] == 16
 
