@@ -313,7 +313,9 @@ class OpobBenchConfig(StrictModel):
     prompt_fraction: float = Field(0.25, ge=0, lt=1)
     """Share of each trajectory that is prompt (loss_mask 0)."""
     repeats: int = Field(3, ge=1)
-    """Timed repeats per measurement (median reported) after one warm-up."""
+    """Timed repeats per measurement (median reported)."""
+    warmup_rounds: int = Field(1, ge=0)
+    """Untimed rounds before the timed ones (0 for very long steps, where warm-up is negligible)."""
     per_trajectory_max_length: int = Field(2048, ge=8)
     """Skip the slow per-trajectory path above this length (it is reported as skipped)."""
     micro_batch_tokens: int = Field(8192, ge=64)
@@ -329,6 +331,21 @@ class SandboxBenchConfig(StrictModel):
     """Calls per measurement (latency percentiles and each concurrency level)."""
     concurrencies: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 8, 32])
     """Concurrent calls in flight for the throughput measurements."""
+
+
+class EngineBenchConfig(StrictModel):
+    """`vcpo bench engine`: generated tokens/s per backend vs HF `generate`, same run."""
+
+    model: str = "default"
+    """Model spec as in model.path."""
+    backends: list[Literal["hf", "vllm"]] = Field(default_factory=lambda: ["hf", "vllm"])
+    """Engines to measure (those that cannot start here are reported as unavailable)."""
+    concurrencies: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 8, 32])
+    """Concurrent requests in flight."""
+    max_new_tokens: int = Field(128, ge=1)
+    """Tokens generated per request."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Model dtype in every engine and in the baseline."""
 
 
 # ---------------------------------------------------------------------------------------------

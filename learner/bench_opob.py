@@ -157,13 +157,13 @@ class _Steps:
         self._finish(float(ess_lr_scale_sqrt(ess_ratio(self.log_w), base_ess_ratio=1.0)))
 
 
-def _median_times(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+def _median_times(runs: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for round_index in range(repeats + 1):  # round 0 is the warm-up
+    for round_index in range(warmup + repeats):
         for name, run in runs.items():
             start = time.perf_counter()
             run()
-            if round_index:
+            if round_index >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -190,11 +190,12 @@ def run_opob_bench(config: OpobBenchConfig, cache_dir: Path,
         if with_reference:
             runs["vcpo_per_trajectory_step_s"] = (
                 lambda s=steps: s.vcpo_step(accumulate_opob_grad_per_trajectory))
-        progress(f"[bench opob] length {length}: {len(runs)} steps × {config.repeats + 1} rounds ...")
+        rounds = config.warmup_rounds + config.repeats
+        progress(f"[bench opob] length {length}: {len(runs)} steps × {rounds} rounds ...")
         row: dict[str, Any] = {"length": length, "num_trajectories": config.num_trajectories,
                                "micro_batches": len(microbatches),
                                "tokens": length * config.num_trajectories}
-        row.update(_median_times(runs, config.repeats))
+        row.update(_median_times(runs, config.repeats, config.warmup_rounds))
         row["vcpo_fast_over_grpo"] = row["vcpo_fast_step_s"] / row["grpo_step_s"]
         row["vcpo_per_trajectory_over_fast"] = (
             row["vcpo_per_trajectory_step_s"] / row["vcpo_fast_step_s"] if with_reference else None)

