@@ -135,9 +135,14 @@ async def test_warm_pool_serves_calls_from_started_sandboxes() -> None:
 
 
 async def test_each_call_gets_a_fresh_interpreter_and_work_dir(sandbox: LocalPythonSandbox) -> None:
+    listing = "import os\nprint('x' in globals(), sorted(os.listdir('.')))"
+    # A fresh sandbox's work dir is empty, except for mount points of read-only binds when the
+    # interpreter itself lives under /tmp (e.g. a checkout's venv in /tmp/...).
+    fresh = await sandbox.run(ToolCall(code=listing))
     await sandbox.run(ToolCall(code="x = 1\nopen('left_behind.txt', 'w').write('x')"))
-    result = await sandbox.run(ToolCall(code="import os\nprint('x' in globals(), os.listdir('.'))"))
-    assert result.stdout == "False []\n"
+    result = await sandbox.run(ToolCall(code=listing))
+    assert result.stdout == fresh.stdout
+    assert result.stdout.startswith("False ") and "left_behind.txt" not in result.stdout
 
 
 async def test_session_keeps_variables_between_calls(sandbox: LocalPythonSandbox) -> None:
