@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 mkdir -p runs
-exec .venv/bin/vcpo bench opob model=default "lengths=[128,512]" --out runs/bench_opob_default.json "$@"
+exec .venv/bin/vcpo bench opob model=default "lengths=[128,512]" repeats=1 --out runs/bench_opob_default.json "$@"
