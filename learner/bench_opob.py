@@ -84,17 +84,21 @@ def _batch(vocab: int, config: OpobBenchConfig, length: int) -> tuple[list[Traje
     return trajectories, rewards
 
 
-def _padded(values: Tensor, batch: PackedMicroBatch) -> tuple[Tensor, Tensor]:
-    """(K,) per-target values → (n, T_max) rows per trajectory and the loss mask."""
-    rows = torch.repeat_interleave(torch.arange(batch.num_trajectories), torch.tensor(batch.target_counts))
-    starts = torch.tensor([0, *batch.target_counts]).cumsum(0)[:-1]
-    columns = torch.arange(values.numel()) - starts[rows]
-    width = max(batch.target_counts)
-    out = values.new_zeros(batch.num_trajectories, width)
-    mask = torch.zeros(batch.num_trajectories, width, dtype=torch.bool)
-    out = out.index_put((rows, columns), values)
-    mask[rows, columns] = True
-    return out, mask
+class _Padding:
+    """Scatter (K,) per-target values of a micro-batch into (n, T_max) rows, one per trajectory.
+    The indices are built once per micro-batch, outside the timed steps."""
+
+    def __init__(self, batch: PackedMicroBatch) -> None:
+        counts = torch.tensor(batch.target_counts)
+        self.rows = torch.repeat_interleave(torch.arange(batch.num_trajectories), counts)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)[:-1]])
+        self.columns = torch.arange(int(counts.sum())) - starts[self.rows]
+        self.shape = (batch.num_trajectories, max(batch.target_counts))
+        self.mask = torch.zeros(self.shape, dtype=torch.bool)
+        self.mask[self.rows, self.columns] = True
+
+    def __call__(self, values: Tensor) -> Tensor:
+        return values.new_zeros(self.shape).index_put((self.rows, self.columns), values)
 
 
 class _Steps:
@@ -112,6 +116,9 @@ class _Steps:
         self.behavior = [old + 0.05 * torch.randn(old.shape, generator=generator) for old in self.old]
         self.log_w = torch.cat([self._seq_sum(old - beh, mb) for old, beh, mb
                                 in zip(self.old, self.behavior, microbatches, strict=True)])
+        self.padding = [_Padding(mb) for mb in microbatches]
+        self.padded_old = [pad(old) for pad, old in zip(self.padding, self.old, strict=True)]
+        self.padded_behavior = [pad(beh) for pad, beh in zip(self.padding, self.behavior, strict=True)]
 
     @staticmethod
     def _seq_sum(token_values: Tensor, mb: PackedMicroBatch) -> Tensor:
@@ -131,12 +138,12 @@ class _Steps:
         self.optimizer.zero_grad(set_to_none=True)
 
     def grpo_step(self) -> None:
-        for mb, old, behavior in zip(self.microbatches, self.old, self.behavior, strict=True):
-            logprobs, mask = _padded(packed_target_logprobs(self.model, mb), mb)
+        for index, mb in enumerate(self.microbatches):
+            pad = self.padding[index]
             inputs = PolicyLossInputs(
-                logprobs=logprobs, old_logprobs=_padded(old, mb)[0],
-                behavior_logprobs=_padded(behavior, mb)[0],
-                loss_mask=mask, rewards=self.rewards[mb.trajectory_indices], group_ids=mb.group_ids,
+                logprobs=pad(packed_target_logprobs(self.model, mb)), old_logprobs=self.padded_old[index],
+                behavior_logprobs=self.padded_behavior[index], loss_mask=pad.mask,
+                rewards=self.rewards[mb.trajectory_indices], group_ids=mb.group_ids,
                 num_units=float(self.size))
             self.grpo(inputs).loss.backward()
         self._finish(1.0)

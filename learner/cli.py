@@ -13,9 +13,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 log = logging.getLogger("vcpo")
+T = TypeVar("T", bound=BaseModel)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,42 +113,38 @@ def _model_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_config(args: argparse.Namespace, schema: type[T]) -> T:
+    """The benchmark's config: `--config FILE` (if given) plus the command line's overrides."""
+    from configs.loader import apply_overrides, load_config, validate_config
+
+    if args.config is not None:
+        return load_config(args.config, schema, args.overrides)
+    raw: dict[str, Any] = {}
+    paths = apply_overrides(raw, args.overrides, source="<command line>")
+    return validate_config(raw, schema, "<command line>", paths)
+
+
 def _bench(args: argparse.Namespace) -> int:
+    from configs.schema import EngineBenchConfig, OpobBenchConfig, SandboxBenchConfig
+
     result: dict[str, Any]
     if args.name == "opob":
-        from configs.loader import load_config, validate_config
-        from configs.schema import OpobBenchConfig
         from learner.bench_opob import run_opob_bench
 
-        if args.config is not None:
-            config = load_config(args.config, OpobBenchConfig, args.overrides)
-        else:
-            from configs.loader import apply_overrides
-
-            raw: dict[str, Any] = {}
-            paths = apply_overrides(raw, args.overrides, source="<command line>")
-            config = validate_config(raw, OpobBenchConfig, "<command line>", paths)
+        config = _bench_config(args, OpobBenchConfig)
         _set_threads()
         result = run_opob_bench(config, cache_dir=_cache_dir(), progress=_progress)
     elif args.name == "engine":
-        from configs.loader import apply_overrides, validate_config
-        from configs.schema import EngineBenchConfig
         from rollout.bench import run_engine_bench
 
-        raw_engine: dict[str, Any] = {}
-        paths = apply_overrides(raw_engine, args.overrides, source="<command line>")
-        engine = validate_config(raw_engine, EngineBenchConfig, "<command line>", paths)
+        engine = _bench_config(args, EngineBenchConfig)
         result = run_engine_bench(engine.model, _cache_dir(), concurrencies=tuple(engine.concurrencies),
                                   max_new_tokens=engine.max_new_tokens, backends=tuple(engine.backends),
                                   dtype=engine.dtype, progress=_progress)
     else:
-        from configs.loader import apply_overrides, validate_config
-        from configs.schema import SandboxBenchConfig
         from tools.bench import run_sandbox_bench
 
-        raw: dict[str, Any] = {}
-        paths = apply_overrides(raw, args.overrides, source="<command line>")
-        bench = validate_config(raw, SandboxBenchConfig, "<command line>", paths)
+        bench = _bench_config(args, SandboxBenchConfig)
         result = run_sandbox_bench(num_calls=bench.num_calls, concurrencies=tuple(bench.concurrencies))
     text = json.dumps(result, indent=2)
     print(text)
