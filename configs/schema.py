@@ -8,7 +8,7 @@ Imports only pydantic (and the project's `StrictModel`), so any machine can chec
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -352,6 +352,46 @@ class EngineBenchConfig(StrictModel):
 # The run
 
 
+class RolloutConfig(StrictModel):
+    """The asynchronous rollout manager (rollout/manager.py)."""
+
+    max_lag: int = Field(2, ge=0)
+    """k: the most policy versions a trajectory may lag behind the learner when consumed (a
+    guarantee). 0 = synchronous on-policy RL."""
+    groups_per_step: int = Field(4, ge=1)
+    """Prompts (groups of algo.group_size episodes) per optimizer step."""
+    max_concurrent_groups: int | None = Field(None, ge=1)
+    """Groups generating at once; None = groups_per_step × (max_lag + 1) (everything the bound allows)."""
+    max_group_attempts: int = Field(3, ge=1)
+    """A batch slot whose group fails this many times in a row stops the run (a systemic error)."""
+
+
+class LearnerConfig(StrictModel):
+    """The torch learner (learner/torch_learner.py)."""
+
+    device: str = "auto"
+    """torch device of the learner's model: 'auto' (cuda when available, else cpu), 'cpu', 'cuda:0'."""
+    micro_batch_tokens: int = Field(8192, ge=1)
+    """Token budget of a packed micro-batch (whole groups are kept together; memory ∝ this)."""
+
+
+class TrainerConfig(StrictModel):
+    """The training loop: length, checkpoints, logging."""
+
+    total_steps: int = Field(40, ge=1)
+    """Optimizer steps (= policy versions) to train."""
+    checkpoint_every: int = Field(10, ge=1)
+    """Write a checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Newest checkpoints kept on disk; older ones are deleted after a new one is complete."""
+    use_tensorboard: bool = True
+    """Also write metrics as TensorBoard events under run_dir/tensorboard."""
+    use_wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb` and a login)."""
+    save_trajectories: bool = True
+    """Append every consumed trajectory (with its text) to run_dir/trajectories.jsonl."""
+
+
 class RunConfig(StrictModel):
     """A training run: everything `vcpo train` needs."""
 
@@ -365,3 +405,15 @@ class RunConfig(StrictModel):
     """The RL algorithm."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
     """The optimiser."""
+    task: str = "configs/tasks/countdown.yaml"
+    """Task YAML (dataset, prompt, tool, budgets, reward): a path, relative to the working directory
+    or to the installed package (e.g. configs/tasks/gsm8k.yaml)."""
+    engine: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"})
+    """Rollout engine settings (rollout/settings.py), e.g. {backend: hf} or {backend: vllm, dtype: float32};
+    'auto' = vLLM when it runs here, else HF."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Asynchrony: lag bound k, prompts per step, concurrency."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """The learner backend."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Loop length, checkpoints, logging."""

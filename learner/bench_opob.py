@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from configs.schema import OpobBenchConfig
 from learner.logprobs import packed_target_logprobs
 from learner.opob_grad import accumulate_opob_grad_packed, accumulate_opob_grad_per_trajectory
-from learner.packing import PackedMicroBatch, TrajectoryTokens, pack_trajectories
+from learner.packing import PackedMicroBatch, TargetPadding, TrajectoryTokens, pack_trajectories
 from learner.varlen_attention import register_varlen_sdpa
 from vcpo.groups import group_std, index_groups
 from vcpo.is_weights import ess_ratio, sequence_is_weights, truncated_is_weights
@@ -84,23 +84,6 @@ def _batch(vocab: int, config: OpobBenchConfig, length: int) -> tuple[list[Traje
     return trajectories, rewards
 
 
-class _Padding:
-    """Scatter (K,) per-target values of a micro-batch into (n, T_max) rows, one per trajectory.
-    The indices are built once per micro-batch, outside the timed steps."""
-
-    def __init__(self, batch: PackedMicroBatch) -> None:
-        counts = torch.tensor(batch.target_counts)
-        self.rows = torch.repeat_interleave(torch.arange(batch.num_trajectories), counts)
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)[:-1]])
-        self.columns = torch.arange(int(counts.sum())) - starts[self.rows]
-        self.shape = (batch.num_trajectories, max(batch.target_counts))
-        self.mask = torch.zeros(self.shape, dtype=torch.bool)
-        self.mask[self.rows, self.columns] = True
-
-    def __call__(self, values: Tensor) -> Tensor:
-        return values.new_zeros(self.shape).index_put((self.rows, self.columns), values)
-
-
 class _Steps:
     """The three optimizer steps on one minibatch (shared model and AdamW)."""
 
@@ -116,7 +99,7 @@ class _Steps:
         self.behavior = [old + 0.05 * torch.randn(old.shape, generator=generator) for old in self.old]
         self.log_w = torch.cat([self._seq_sum(old - beh, mb) for old, beh, mb
                                 in zip(self.old, self.behavior, microbatches, strict=True)])
-        self.padding = [_Padding(mb) for mb in microbatches]
+        self.padding = [TargetPadding(mb) for mb in microbatches]
         self.padded_old = [pad(old) for pad, old in zip(self.padding, self.old, strict=True)]
         self.padded_behavior = [pad(beh) for pad, beh in zip(self.padding, self.behavior, strict=True)]
 

@@ -69,13 +69,15 @@ def check_packing_aware(model: nn.Module) -> None:
 
 
 def packed_target_logprobs(
-    model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Tensor | None = None
+    model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Tensor | None = None, temperature: float = 1.0
 ) -> Tensor:
     """Log-probabilities of the targets of `batch` under `model`, one forward pass.
 
     `model`: an HF causal LM. `inputs_embeds`: (1, N, H) to feed instead of `batch.input_ids`
     (the fast per-trajectory gradient path starts its graph there). Returns (K,) float32,
-    aligned with `batch.target_positions`. Gradients flow if grad mode is on.
+    aligned with `batch.target_positions`. Gradients flow if grad mode is on. `temperature`: the
+    sampling temperature T of the behaviour policy; log-probs are of softmax(logits / T), as the
+    engines report them.
     """
     if batch.num_trajectories > 1:  # a single sequence is isolated by any causal attention
         check_packing_aware(model)
@@ -91,7 +93,10 @@ def packed_target_logprobs(
         logits_to_keep=batch.target_positions,
     )
     # squeeze, not [0]: select's backward would allocate and copy a zero (1, K, V) gradient.
-    return token_logprobs(output.logits.squeeze(0), batch.target_ids[batch.target_positions])
+    logits = output.logits.squeeze(0)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_logprobs(logits, batch.target_ids[batch.target_positions])
 
 
 def trajectory_logliks(target_logprobs: Tensor, batch: PackedMicroBatch) -> Tensor:

@@ -246,3 +246,21 @@ def pack_trajectories(
     lengths = [len(t.token_ids) for t in trajectories]
     plans = plan_microbatches(lengths, [t.group_id for t in trajectories], max_tokens)
     return [build_microbatch(trajectories, plan, aggregation) for plan in plans]
+
+
+class TargetPadding:
+    """Scatter (K,) per-target values of a micro-batch into (n, T_max) rows, one per trajectory —
+    the (B, T) layout the objectives take. Row j holds trajectory j's targets left-aligned, in order;
+    `mask` marks the filled cells. The indices are built once per micro-batch."""
+
+    def __init__(self, batch: PackedMicroBatch) -> None:
+        counts = torch.tensor(batch.target_counts)
+        self.rows = torch.repeat_interleave(torch.arange(batch.num_trajectories), counts)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)[:-1]])
+        self.columns = torch.arange(int(counts.sum())) - starts[self.rows]
+        self.shape = (batch.num_trajectories, max(batch.target_counts))
+        self.mask = torch.zeros(self.shape, dtype=torch.bool)
+        self.mask[self.rows, self.columns] = True
+
+    def __call__(self, values: Tensor) -> Tensor:
+        return values.new_zeros(self.shape).index_put((self.rows, self.columns), values)

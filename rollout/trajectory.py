@@ -197,6 +197,11 @@ class TrajectoryBuilder:
         self._turns += 1
         self._generate_s += result.timings.total_s
 
+    @property
+    def generate_s(self) -> float:
+        """Sum of the engine's total_s over the generations added so far."""
+        return self._generate_s
+
     def build(
         self,
         trajectory_id: str,

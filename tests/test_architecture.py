@@ -2,7 +2,8 @@
 
 ARCHITECTURE.md: `vcpo/` imports nothing of the project (and only torch outside the stdlib);
 `tools/` and `rollout/` import only `vcpo/` at most; `agent_env/` may import `rollout/` and
-`tools/`; `learner/` (and the CLI in it) may import all; `configs/` imports only itself (pydantic,
+`tools/`, and the task schema in `configs/` (pydantic-only, the bottom layer: a task component takes
+its own validated section, as STYLE.md §4 asks); `learner/` (and the CLI in it) may import all; `configs/` imports only itself (pydantic,
 yaml). Imports inside `if TYPE_CHECKING:` blocks count too: the rule is about design, not runtime.
 """
 
@@ -21,7 +22,7 @@ ALLOWED = {
     "configs": set(),
     "tools": {"vcpo"},
     "rollout": {"vcpo"},
-    "agent_env": {"vcpo", "rollout", "tools"},
+    "agent_env": {"vcpo", "rollout", "tools", "configs"},
     "learner": {"vcpo", "rollout", "tools", "agent_env", "configs"},
 }
 

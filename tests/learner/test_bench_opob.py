@@ -40,13 +40,13 @@ def test_bench_cli_rejects_bad_override(capsys) -> None:
 def test_padding_puts_each_targets_value_in_its_trajectory_row() -> None:
     import torch
 
-    from learner.bench_opob import _Padding
+    from learner.packing import TargetPadding
     from learner.packing import TrajectoryTokens, build_microbatch
 
     # trajectory 0: 4 tokens, loss on the last 2 → 2 targets; trajectory 1: 3 tokens, loss on the last 1 → 1
     batch = build_microbatch([TrajectoryTokens([1, 2, 3, 4], [False, False, True, True], group_id=0),
                               TrajectoryTokens([5, 6, 7], [False, False, True], group_id=0)], [0, 1])
-    pad = _Padding(batch)
+    pad = TargetPadding(batch)
     assert batch.target_counts == (2, 1)
     assert torch.equal(pad(torch.tensor([10.0, 11.0, 20.0])), torch.tensor([[10.0, 11.0], [20.0, 0.0]]))
     assert torch.equal(pad.mask, torch.tensor([[True, True], [True, False]]))

@@ -1,0 +1,107 @@
+"""Atomic training checkpoints: a run never loses data and never resumes from half a checkpoint.
+
+Layout: `run_dir/checkpoints/step_000010/` holding `state.pt` (model, optimizer, step, RNG states,
+rollout-manager state: data position, completed-unconsumed groups, slots in flight) and `meta.json`.
+A checkpoint is written into a temporary sibling directory, every file is fsynced, the directory is
+renamed into place (atomic on POSIX) and only then does `run_dir/checkpoints/latest` (written by
+temp file + `os.replace`) point at it. A SIGKILL at any moment leaves either the previous
+checkpoint or the new one as `latest`, never a torn one. Old checkpoints are pruned after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LATEST = "latest"
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python and torch generator states (CUDA too when present)."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], meta: dict[str, Any], keep: int) -> Path:
+    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep`. Returns its dir."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    with open(tmp / "state.pt", "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    with open(tmp / "meta.json", "w") as handle:
+        json.dump({**meta, "step": step}, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # a re-run of the same step after a resume: replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    pointer = root / f".{LATEST}.tmp-{os.getpid()}"
+    pointer.write_text(final.name)
+    with open(pointer) as handle:
+        os.fsync(handle.fileno())
+    os.replace(pointer, root / LATEST)
+    _fsync_dir(root)
+    _prune(root, keep, final.name)
+    return final
+
+
+def _prune(root: Path, keep: int, newest: str) -> None:
+    done = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for path in done[:-keep]:
+        if path.name != newest:
+            shutil.rmtree(path, ignore_errors=True)
+    for stale in root.glob(".tmp-*"):  # left by a run killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The directory `latest` points at, or None when the run has no complete checkpoint."""
+    pointer = checkpoint_root(run_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    path = checkpoint_root(run_dir) / pointer.read_text().strip()
+    return path if (path / "state.pt").is_file() and (path / "meta.json").is_file() else None
+
+
+def load_checkpoint(
+    path: Path, map_location: str | torch.device = "cpu"
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(state, meta) of a checkpoint directory."""
+    state = torch.load(path / "state.pt", map_location=map_location, weights_only=False)
+    meta = json.loads((path / "meta.json").read_text())
+    return state, meta

@@ -1,0 +1,316 @@
+"""The torch learner: one optimizer step per minibatch of trajectory groups (CPU or one GPU).
+
+A step (VCPO.md):
+1. pack the trajectories (no padding) into token-budget micro-batches of whole groups;
+2. proximal forward (no grad): `log π_old` of every sampled token — θ at the start of the step;
+3. gradient: VCPO accumulates `−Σ (a_i − b*_g s_i) ∇ℓ_i` with exact per-trajectory norms
+   (`learner/opob_grad.py`, one backward per micro-batch on the fast path); every other objective
+   runs its loss per micro-batch (whole groups, global denominator) and back-propagates it;
+4. metrics and the step size from ONE objective call on the whole minibatch with `log π = log π_old`
+   (one update per minibatch, so that is exactly the state the gradient was taken at);
+5. clip, lr = schedule(step) × rule(ESS or lag), AdamW step.
+
+What it does not do: talk to engines, read config files, or decide which trajectories to use
+(the trainer applies the task's filters by passing `is_trained`).
+Cost: one no-grad forward + one forward/backward per micro-batch (+ a reference-model forward when
+the objective needs it). Blocking: `step` is synchronous; the trainer runs it on a worker thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from configs.schema import AlgoConfig, OptimConfig
+from learner.algorithm import build_lr_scale_rule, build_objective
+from learner.logprobs import packed_target_logprobs
+from learner.opob_grad import accumulate_opob_grad_packed, accumulate_opob_grad_per_trajectory
+from learner.packing import (
+    PackedMicroBatch,
+    TargetPadding,
+    TrajectoryTokens,
+    build_microbatch,
+    plan_microbatches,
+)
+from rollout.trajectory import Trajectory
+from vcpo.groups import group_std, index_groups, single_group
+from vcpo.is_weights import sequence_is_weights, truncated_is_weights
+from vcpo.objectives import PolicyLossInputs
+from vcpo.opob import (
+    opob_baseline_weights,
+    vcpo_coefficients,
+    weighted_mean_baseline,
+    weighted_median_baseline,
+    winsorized_mean_baseline,
+)
+from vcpo.step_size import StepSizeInputs
+
+_PACKED_AGGREGATION = {"seq-mean-token-mean": "mean", "seq-mean-token-sum": "sum"}
+"""ℓ_i's token weights on VCPO's fast path for the aggregations it supports."""
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One minibatch: trajectories, their group index, lag and whether they enter the loss."""
+
+    trajectories: Sequence[Trajectory]
+    group_ids: Sequence[int]
+    lags: Sequence[int]
+    is_trained: Sequence[bool]
+    """False zeroes the trajectory's loss mask (task filters) but keeps it in its group's statistics."""
+
+
+def lr_at(optim: OptimConfig, step: int) -> float:
+    """Scheduled base lr at optimizer step `step` (0-based): linear warm-up, then constant/linear/cosine."""
+    if step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant" or optim.total_steps is None:
+        return optim.lr
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, optim.total_steps - optim.warmup_steps))
+    if optim.schedule == "linear":
+        return optim.lr * (1.0 - progress)
+    return optim.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class TorchLearner:
+    """Owns the trained model, its optimizer and the algorithm objects (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, algo: AlgoConfig, optim: OptimConfig, *, micro_batch_tokens: int,
+                 temperature: float = 1.0) -> None:
+        self.model = model.train()
+        self.algo, self.optim_config = algo, optim
+        self.objective = build_objective(algo)
+        self.lr_rule = build_lr_scale_rule(algo)
+        self.micro_batch_tokens = micro_batch_tokens
+        self.temperature = temperature
+        self.device = next(model.parameters()).device
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                           weight_decay=optim.weight_decay)
+        self.step_count = 0
+        self.reference = None
+        if self.objective.needs_ref_logprobs:  # frozen copy of the initial policy (KL / TBA)
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        self._check_supported()
+
+    def _check_supported(self) -> None:
+        if self.objective.needs_sum_probs_squared or self.objective.needs_entropy:
+            raise ValueError(
+                f"objective '{self.objective.name}' (or entropy_coef > 0) needs full-vocabulary statistics "
+                "the torch learner does not compute yet; use another objective or entropy_coef=0")
+        if self.objective.needs_grad_norms:
+            if getattr(self.objective, "scope", "group") != "group":
+                raise ValueError("algo.objective.opob.scope='minibatch' is not supported by the learner's "
+                                 "per-trajectory norm path; use scope='group'")
+            if self.objective.loss_aggregation not in _PACKED_AGGREGATION:
+                raise ValueError(f"VCPO with loss_aggregation={self.objective.loss_aggregation!r} is not "
+                                 f"supported; use one of {sorted(_PACKED_AGGREGATION)}")
+
+    # --- weights and state --------------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, tensor) of every parameter, detached — what the engines load."""
+        for name, parameter in self.model.named_parameters():
+            yield name, parameter.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "step_count": self.step_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step_count"])
+
+    # --- the step ----------------------------------------------------------------------------
+
+    def step(self, batch: StepInput) -> dict[str, Any]:
+        """One optimizer step on `batch`; returns its metrics (floats, and lists for histograms)."""
+        size = len(batch.trajectories)
+        tokens = self._tokens(batch)
+        microbatches = self._pack(tokens)
+        rewards = torch.tensor([t.reward for t in batch.trajectories], dtype=torch.float32,
+                               device=self.device)
+        group_ids = torch.tensor(list(batch.group_ids), dtype=torch.long, device=self.device)
+        lags = torch.tensor(list(batch.lags), dtype=torch.long, device=self.device)
+        behavior = [self._behavior(batch.trajectories, mb) for mb in microbatches]
+        with torch.no_grad():
+            old = [self._logprobs(self.model, mb) for mb in microbatches]
+            ref = [self._logprobs(self.reference, mb) for mb in microbatches] if self.reference else None
+        full = _FullBatch(microbatches, size, old, behavior, ref, self.device)
+        norms = None
+        if self.objective.needs_grad_norms:
+            norms = self._vcpo_gradient(full, rewards, group_ids)
+        else:
+            self._objective_gradient(full, rewards, group_ids, lags)
+        with torch.no_grad():
+            output = self.objective(full.inputs(full.old, rewards, group_ids, lags, norms))
+            lr_scale = self.lr_rule(StepSizeInputs(output.log_is_weights, output.valid, lags))
+        base_lr = lr_at(self.optim_config, self.step_count)
+        grad_norm = self._finish(float(lr_scale.scale))
+        metrics: dict[str, Any] = {key: _plain(value) for key, value in output.metrics.items()}
+        metrics.update({key: _plain(value) for key, value in lr_scale.metrics.items()})
+        metrics.update({"lr/base": base_lr, "grad/norm": grad_norm,
+                        "train/trajectories": size, "train/micro_batches": len(microbatches),
+                        "train/nonfinite_trajectories": int(output.counts.nonfinite_trajectories),
+                        "train/degenerate_groups": int(output.counts.degenerate_groups)})
+        return metrics
+
+    def _tokens(self, batch: StepInput) -> list[TrajectoryTokens]:
+        tokens = []
+        for trajectory, group, is_trained in zip(batch.trajectories, batch.group_ids, batch.is_trained,
+                                                 strict=True):
+            mask = trajectory.loss_mask if is_trained else (False,) * len(trajectory.loss_mask)
+            tokens.append(TrajectoryTokens(trajectory.token_ids, mask, group_id=int(group)))
+        return tokens
+
+    def _pack(self, tokens: list[TrajectoryTokens]) -> list[PackedMicroBatch]:
+        group_tokens: dict[int, int] = {}
+        for t in tokens:
+            group_tokens[t.group_id] = group_tokens.get(t.group_id, 0) + len(t.token_ids)
+        budget = max(self.micro_batch_tokens, max(group_tokens.values()))  # whole groups per micro-batch
+        plans = plan_microbatches([len(t.token_ids) for t in tokens], [t.group_id for t in tokens], budget)
+        aggregation = _PACKED_AGGREGATION.get(self.objective.loss_aggregation, "mean")
+        return [build_microbatch(tokens, plan, aggregation).to(self.device) for plan in plans]
+
+    def _behavior(self, trajectories: Sequence[Trajectory], mb: PackedMicroBatch) -> Tensor:
+        """(K,) engine log-probs aligned with the micro-batch's targets (target t predicts token t+1)."""
+        values: list[float] = []
+        for j, index in enumerate(mb.trajectory_indices.tolist()):
+            trajectory = trajectories[index]
+            if mb.target_counts[j]:
+                pairs = zip(trajectory.behavior_logprobs, trajectory.loss_mask, strict=True)
+                values += [logprob for logprob, is_sampled in pairs if is_sampled]
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
+
+    def _logprobs(self, model: nn.Module | None, mb: PackedMicroBatch) -> Tensor:
+        if mb.target_positions.numel() == 0:
+            return torch.zeros(0, device=self.device)
+        return packed_target_logprobs(model, mb, temperature=self.temperature)
+
+    def _objective_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor, lags: Tensor) -> None:
+        num_units = full.num_units(self.objective.loss_aggregation)
+        for index, mb in enumerate(full.microbatches):
+            if mb.target_positions.numel() == 0:
+                continue
+            pad = full.padding[index]
+            local = mb.trajectory_indices
+            inputs = PolicyLossInputs(
+                logprobs=pad(self._logprobs(self.model, mb)), old_logprobs=pad(full.old[index]),
+                behavior_logprobs=pad(full.behavior[index]), loss_mask=pad.mask, rewards=rewards[local],
+                group_ids=group_ids[local], lags=lags[local],
+                ref_logprobs=pad(full.ref[index]) if full.ref is not None else None, num_units=num_units)
+            self.objective(inputs).loss.backward()
+
+    def _vcpo_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor) -> Tensor:
+        """VCPO's gradient with exact per-trajectory norms; returns ‖∇ℓ_i‖² (B,)."""
+        objective = self.objective
+        log_w = full.seq_log_ratios()
+        counts = full.trained_counts()
+        valid = counts > 0
+        weights = sequence_is_weights(log_w, objective.max_log_ratio)
+        truncated = truncated_is_weights(weights, objective.is_cap)
+        groups = index_groups(group_ids)
+        sigma = group_std(rewards, valid, groups)[groups.index]
+        degenerate = (sigma == 0) if objective.divide_by_std else torch.zeros_like(valid)
+        keep = valid & ~degenerate
+        coefs = vcpo_coefficients(truncated, rewards, sigma, keep, full.size, objective.divide_by_std,
+                                  objective.eps)
+        baseline_is = None
+        if objective.use_is_weights:
+            baseline_is = truncated if objective.use_clipped_weights else weights
+        aggregate = {"weighted_mean": weighted_mean_baseline, "weighted_median": weighted_median_baseline,
+                     "winsorized_mean": lambda *a: winsorized_mean_baseline(
+                         *a, upper_quantile=objective.winsorize_quantile)}[objective.aggregation]
+
+        def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
+            members = members.to(self.device)
+            is_w = None if baseline_is is None else baseline_is[members]
+            lengths = counts[members].float() if objective.normalize_by_length else None
+            omega = opob_baseline_weights(sq_norms, is_w, lengths)  # ω_i = w_i² ‖∇ℓ_i‖² [/ |M_i|²]
+            one_group = single_group(len(members), self.device)
+            result = aggregate(rewards[members], omega, valid[members], one_group)
+            return float(result.per_trajectory[0])
+
+        accumulate = (accumulate_opob_grad_packed if self.algo.objective.opob.grad_norm_path == "fast"
+                      else accumulate_opob_grad_per_trajectory)
+        live = [mb for mb in full.microbatches if mb.target_positions.numel() > 0]
+        result = accumulate(self.model, live, coefs.reward_coef.float(), coefs.baseline_coef.float(),
+                            baseline)
+        return result.sq_norms
+
+    def _finish(self, lr_scale: float) -> float:
+        parameters = [p for p in self.model.parameters() if p.grad is not None]
+        if self.optim_config.grad_clip is not None and parameters:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, self.optim_config.grad_clip))
+        else:
+            grad_norm = float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(p.grad) for p in parameters]))) if parameters else 0.0
+        if not math.isfinite(grad_norm):  # never let one poisoned batch destroy the weights
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step_count += 1
+            return grad_norm
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.optim_config, self.step_count) * lr_scale
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return grad_norm
+
+
+class _FullBatch:
+    """The minibatch's per-micro-batch target tensors, and their (B, T) padded forms."""
+
+    def __init__(self, microbatches: list[PackedMicroBatch], size: int, old: list[Tensor],
+                 behavior: list[Tensor], ref: list[Tensor] | None, device: torch.device) -> None:
+        self.microbatches, self.size, self.device = microbatches, size, device
+        self.old, self.behavior, self.ref = old, behavior, ref
+        self.padding = [TargetPadding(mb.to("cpu")) for mb in microbatches]
+        self.width = max([max(mb.target_counts) for mb in microbatches] + [1])
+
+    def _stack(self, per_microbatch: list[Tensor]) -> Tensor:
+        """(B, width): row i = trajectory i's targets, whatever micro-batch it sat in."""
+        out = torch.zeros(self.size, self.width, device=self.device)
+        for pad, mb, values in zip(self.padding, self.microbatches, per_microbatch, strict=True):
+            rows = pad(values.cpu()).to(self.device)
+            out[mb.trajectory_indices, : rows.shape[1]] = rows
+        return out
+
+    def mask(self) -> Tensor:
+        out = torch.zeros(self.size, self.width, dtype=torch.bool, device=self.device)
+        for pad, mb in zip(self.padding, self.microbatches, strict=True):
+            out[mb.trajectory_indices, : pad.mask.shape[1]] = pad.mask.to(self.device)
+        return out
+
+    def trained_counts(self) -> Tensor:
+        counts = torch.zeros(self.size, dtype=torch.long, device=self.device)
+        for mb in self.microbatches:
+            counts[mb.trajectory_indices] = torch.tensor(mb.target_counts, device=self.device)
+        return counts
+
+    def seq_log_ratios(self) -> Tensor:
+        """(B,) L_i = Σ_{t∈M_i} log π_old − log μ."""
+        return ((self._stack(self.old) - self._stack(self.behavior)) * self.mask()).sum(dim=-1)
+
+    def num_units(self, aggregation: str) -> float:
+        return float(self.mask().sum()) if aggregation == "token-mean" else float(self.size)
+
+    def inputs(self, logprobs: list[Tensor], rewards: Tensor, group_ids: Tensor, lags: Tensor,
+               norms: Tensor | None) -> PolicyLossInputs:
+        return PolicyLossInputs(
+            logprobs=self._stack(logprobs), old_logprobs=self._stack(self.old),
+            behavior_logprobs=self._stack(self.behavior), loss_mask=self.mask(), rewards=rewards,
+            group_ids=group_ids, lags=lags,
+            ref_logprobs=self._stack(self.ref) if self.ref is not None else None,
+            seq_sq_grad_norms=norms, num_units=float(self.size) if norms is not None else None)
+
+
+def _plain(value: Tensor | float) -> float | list[float]:
+    if isinstance(value, Tensor):
+        return value.tolist() if value.dim() > 0 else float(value)
+    return float(value)

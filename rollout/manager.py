@@ -1,0 +1,294 @@
+"""The asynchronous rollout manager: groups of episodes in flight with a guaranteed lag bound `k`.
+
+Semantics (ARCHITECTURE.md, PipelineRL-style). Groups are admitted in order; group `i` gets a
+*batch slot* `b = i // groups_per_batch` and is consumed by learner step `b`, which runs at policy
+version `b` (version = optimizer steps done). Group `i` is admitted only once the published version
+`v ≥ b − k`. Its first token is sampled at a version `v_start ≥ v` (versions never decrease), so its
+lag at consumption, `b − v_start`, is at most `k` — a guarantee, not a target. `k = 0` is
+synchronous on-policy RL: batch `b` is generated entirely by version `b` while the learner waits.
+At most `groups_per_batch · (k + 1)` groups are admitted and not yet consumed (the buffer bound),
+and at most `max_concurrent_groups` run at once (admission control / backpressure).
+
+Partial rollouts: weights are published with `sync_weights`, which pauses the engine at a step
+boundary, loads them with the new version and resumes; generations in flight continue with the new
+weights and their per-token versions/logprobs stay exact (the engine protocol guarantees it).
+
+Failures: a group whose episode raises is dropped, counted, and *replaced* by a fresh prompt in the
+same batch slot (admitted now, so its lag bound still holds); `max_attempts` consecutive failures of
+one slot raise `RolloutFailed` (something systemic is wrong). Nothing is lost or used twice across
+checkpoint/resume: `state()` records the data position, the completed groups not yet consumed and
+the slots still in flight, which `restore()` re-admits first.
+
+Concurrency: everything runs on one asyncio loop; `run_group` coroutines run concurrently; the
+learner awaits `next_batch()` (blocks until its slot is complete) and calls `sync_weights`. `close()`
+cancels what is in flight (the engine aborts those requests) and waits for it to unwind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rollout.base import InferenceEngine
+from rollout.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupTicket:
+    """One admitted group: where it sits in the run and which prompt it samples."""
+
+    group_index: int
+    """Admission order of its batch slot (stable across replacements)."""
+    batch_index: int
+    """The learner step (= policy version) that consumes it."""
+    prompt_position: int
+    """Position in the data order (the data source maps it to a sample)."""
+    attempt: int = 0
+    """0 for the first try of a slot, n for its n-th replacement."""
+    admitted_version: int = 0
+    """Published version at admission (≤ every token's version)."""
+
+
+RunGroup = Callable[[GroupTicket], Awaitable[Sequence[Trajectory]]]
+"""Runs the G episodes of one group and returns their trajectories (raises on failure)."""
+
+
+class RolloutFailed(RuntimeError):
+    """A batch slot failed `max_attempts` times in a row."""
+
+
+@dataclass
+class RolloutCounters:
+    """Counts for metrics."""
+
+    groups_completed: int = 0
+    groups_failed: int = 0
+    trajectories: int = 0
+    last_errors: list[str] = field(default_factory=list)
+
+
+class RolloutManager:
+    """Bounded-lag producer of trajectory groups (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        run_group: RunGroup,
+        *,
+        groups_per_batch: int,
+        max_lag: int,
+        max_concurrent_groups: int,
+        max_attempts: int = 3,
+    ) -> None:
+        if groups_per_batch < 1 or max_lag < 0 or max_concurrent_groups < 1:
+            raise ValueError(
+                f"groups_per_batch={groups_per_batch} (≥1), max_lag={max_lag} (≥0), "
+                f"max_concurrent_groups={max_concurrent_groups} (≥1) out of range"
+            )
+        self.engine = engine
+        self._run_group = run_group
+        self.groups_per_batch = groups_per_batch
+        self.max_lag = max_lag
+        self.max_concurrent_groups = max_concurrent_groups
+        self.max_attempts = max_attempts
+        self.counters = RolloutCounters()
+        self._version = 0
+        self._next_group_index = 0
+        self._next_prompt_position = 0
+        self._next_batch_index = 0
+        self._completed: dict[int, list[tuple[GroupTicket, list[Trajectory]]]] = {}
+        self._in_flight: dict[int, tuple[GroupTicket, asyncio.Task[None]]] = {}
+        self._retry: list[GroupTicket] = []
+        self._changed = asyncio.Condition()
+        self._admitter: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
+        self._busy_s = 0.0
+        self._busy_since: float | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start admitting groups (call once, after `restore` when resuming)."""
+        self._admitter = asyncio.create_task(self._admit_forever(), name="rollout-admission")
+
+    async def close(self) -> None:
+        """Stop admitting, cancel every group in flight and wait for them to unwind."""
+        tasks = [task for _, task in self._in_flight.values()]
+        if self._admitter is not None:
+            tasks.append(self._admitter)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._in_flight.clear()
+        self._admitter = None
+
+    async def __aenter__(self) -> RolloutManager:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- the learner side ------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def next_batch(self) -> list[tuple[GroupTicket, list[Trajectory]]]:
+        """The groups of the next batch slot, ordered by group index (waits until all are done)."""
+        batch = self._next_batch_index
+        async with self._changed:
+            await self._changed.wait_for(
+                lambda: self._failure is not None
+                or len(self._completed.get(batch, ())) >= self.groups_per_batch
+            )
+            if self._failure is not None:
+                raise self._failure
+            groups = sorted(self._completed.pop(batch), key=lambda item: item[0].group_index)
+            self._next_batch_index += 1
+            self._changed.notify_all()
+        return groups
+
+    async def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Publish new weights: pause at a step boundary, load with `version`, resume, admit more."""
+        await self.engine.pause()
+        try:
+            await self.engine.load_weights(named_tensors, version)
+        finally:
+            await self.engine.resume()
+        await self.publish_version(version)
+
+    async def publish_version(self, version: int) -> None:
+        """Record that the engine now serves `version` (when weights were loaded elsewhere)."""
+        async with self._changed:
+            self._version = version
+            self._changed.notify_all()
+
+    def busy_seconds(self) -> float:
+        """Wall seconds so far during which at least one group was generating (idle = wall − this)."""
+        now = time.perf_counter()
+        return self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+
+    def _track_busy(self) -> None:
+        now = time.perf_counter()
+        if self._in_flight and self._busy_since is None:
+            self._busy_since = now
+        elif not self._in_flight and self._busy_since is not None:
+            self._busy_s += now - self._busy_since
+            self._busy_since = None
+
+    # --- admission -------------------------------------------------------------------------------
+
+    def _can_admit(self) -> bool:
+        if len(self._in_flight) >= self.max_concurrent_groups:
+            return False
+        if self._retry:
+            return True
+        batch = self._next_group_index // self.groups_per_batch
+        return batch - self.max_lag <= self._version  # lag bound: b − v_start ≤ b − v ≤ k
+
+    async def _admit_forever(self) -> None:
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(self._can_admit)
+                if self._retry:
+                    ticket = self._retry.pop(0)
+                    ticket = GroupTicket(ticket.group_index, ticket.batch_index, self._take_prompt(),
+                                         ticket.attempt, self._version) if ticket.attempt else ticket
+                else:
+                    index = self._next_group_index
+                    ticket = GroupTicket(index, index // self.groups_per_batch, self._take_prompt(), 0,
+                                         self._version)
+                    self._next_group_index += 1
+                task = asyncio.create_task(self._run(ticket), name=f"group-{ticket.group_index}")
+                self._in_flight[ticket.group_index] = (ticket, task)
+                self._track_busy()
+
+    def _take_prompt(self) -> int:
+        position = self._next_prompt_position
+        self._next_prompt_position += 1
+        return position
+
+    async def _run(self, ticket: GroupTicket) -> None:
+        try:
+            trajectories = list(await self._run_group(ticket))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # one bad group never ends the run: replace it, count it
+            await self._on_failure(ticket, exc)
+            return
+        async with self._changed:
+            self._in_flight.pop(ticket.group_index, None)
+            self._track_busy()
+            self._completed.setdefault(ticket.batch_index, []).append((ticket, trajectories))
+            self.counters.groups_completed += 1
+            self.counters.trajectories += len(trajectories)
+            self._changed.notify_all()
+
+    async def _on_failure(self, ticket: GroupTicket, exc: Exception) -> None:
+        message = f"group {ticket.group_index} (prompt {ticket.prompt_position}): {type(exc).__name__}: {exc}"
+        log.warning("rollout: %s; replacing it with a new prompt", message)
+        async with self._changed:
+            self._in_flight.pop(ticket.group_index, None)
+            self._track_busy()
+            self.counters.groups_failed += 1
+            self.counters.last_errors = [*self.counters.last_errors[-4:], message]
+            if ticket.attempt + 1 >= self.max_attempts:
+                self._failure = RolloutFailed(
+                    f"batch slot {ticket.batch_index} failed {self.max_attempts} times in a row; "
+                    f"last: {message}")
+            else:
+                retry = GroupTicket(ticket.group_index, ticket.batch_index, -1, ticket.attempt + 1)
+                self._retry.append(retry)
+            self._changed.notify_all()
+
+    # --- checkpoint ------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint needs: data position, completed-unconsumed groups, slots in flight."""
+        return {
+            "version": self._version,
+            "next_group_index": self._next_group_index,
+            "next_prompt_position": self._next_prompt_position,
+            "next_batch_index": self._next_batch_index,
+            "completed": [
+                {"ticket": vars(ticket), "trajectories": [t.to_msgpack() for t in trajectories]}
+                for items in self._completed.values() for ticket, trajectories in items
+            ],
+            "pending": [vars(ticket) for ticket, _ in self._in_flight.values()]
+            + [vars(ticket) for ticket in self._retry],
+            "counters": {"groups_completed": self.counters.groups_completed,
+                         "groups_failed": self.counters.groups_failed,
+                         "trajectories": self.counters.trajectories},
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Resume from `state()` (before `start`): completed groups come back, pending slots re-run
+        with their original prompts (a fresh generation at the current version, same batch slot)."""
+        if self._admitter is not None:
+            raise RuntimeError("restore() must be called before start()")
+        self._version = state["version"]
+        self._next_group_index = state["next_group_index"]
+        self._next_prompt_position = state["next_prompt_position"]
+        self._next_batch_index = state["next_batch_index"]
+        for item in state["completed"]:
+            ticket = GroupTicket(**item["ticket"])
+            trajectories = [Trajectory.from_msgpack(data) for data in item["trajectories"]]
+            self._completed.setdefault(ticket.batch_index, []).append((ticket, trajectories))
+        # a re-run keeps its prompt (attempt 0 reuses prompt_position) so no prompt is lost or doubled
+        self._retry = [GroupTicket(**{**t, "attempt": 0, "admitted_version": self._version})
+                       if t["prompt_position"] >= 0 else GroupTicket(**t) for t in state["pending"]]
+        counters = state.get("counters", {})
+        self.counters.groups_completed = counters.get("groups_completed", 0)
+        self.counters.groups_failed = counters.get("groups_failed", 0)
+        self.counters.trajectories = counters.get("trajectories", 0)
