@@ -77,7 +77,12 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="permit binding a non-loopback address (expose the sandbox to a network)")
     sandbox.set_defaults(handler=_sandbox_serve)
 
-    for name, issue in (("train", "#6"), ("eval", "#5"), ("plot", "#6")):
+    plot = commands.add_parser("plot", help="draw a run's dashboard PNG from its metrics.jsonl")
+    plot.add_argument("run_dir", type=Path)
+    plot.add_argument("--out", type=Path, default=None, help="PNG path (default: RUN_DIR/dashboard.png)")
+    plot.set_defaults(handler=_plot)
+
+    for name, issue in (("train", "#6"), ("eval", "#5")):
         pending = commands.add_parser(name, help=f"(not built yet: issue {issue})")
         pending.add_argument("rest", nargs=argparse.REMAINDER)
         pending.set_defaults(handler=lambda _args, _n=name, _i=issue: _not_built(_n, _i))
@@ -163,6 +168,18 @@ def _sandbox_serve(args: argparse.Namespace) -> int:
     if args.allow_non_loopback:
         settings = settings.model_copy(update={"use_non_loopback_host": True})
     serve(args.host, args.port, settings)
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from learner.metrics_log import MetricsFileError
+    from learner.plot import plot_run
+
+    try:
+        print(plot_run(args.run_dir, args.out))
+    except (MetricsFileError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
