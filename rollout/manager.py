@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rollout.base import InferenceEngine
+from rollout.errors import EngineUnavailable
 from rollout.trajectory import Trajectory
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class RolloutManager:
         max_lag: int,
         max_concurrent_groups: int,
         max_attempts: int = 3,
+        fatal_errors: tuple[type[BaseException], ...] = (EngineUnavailable,),
     ) -> None:
         if groups_per_batch < 1 or max_lag < 0 or max_concurrent_groups < 1:
             raise ValueError(
@@ -100,6 +102,8 @@ class RolloutManager:
         self.max_lag = max_lag
         self.max_concurrent_groups = max_concurrent_groups
         self.max_attempts = max_attempts
+        self.fatal_errors = fatal_errors
+        """Errors that stop the run at once (a dead engine or sandbox), not retried with new prompts."""
         self.counters = RolloutCounters()
         self._version = 0
         self._next_group_index = 0
@@ -236,14 +240,20 @@ class RolloutManager:
             self._changed.notify_all()
 
     async def _on_failure(self, ticket: GroupTicket, exc: Exception) -> None:
-        message = f"group {ticket.group_index} (prompt {ticket.prompt_position}): {type(exc).__name__}: {exc}"
+        root: BaseException = exc
+        while isinstance(root, BaseExceptionGroup) and root.exceptions:  # a group's first failed episode
+            root = root.exceptions[0]
+        where = f"group {ticket.group_index} (prompt {ticket.prompt_position})"
+        message = f"{where}: {type(root).__name__}: {root}"
         log.warning("rollout: %s; replacing it with a new prompt", message)
         async with self._changed:
             self._in_flight.pop(ticket.group_index, None)
             self._track_busy()
             self.counters.groups_failed += 1
             self.counters.last_errors = [*self.counters.last_errors[-4:], message]
-            if ticket.attempt + 1 >= self.max_attempts:
+            if isinstance(root, self.fatal_errors):
+                self._failure = RolloutFailed(f"a systemic error stops the run: {message}")
+            elif ticket.attempt + 1 >= self.max_attempts:
                 self._failure = RolloutFailed(
                     f"batch slot {ticket.batch_index} failed {self.max_attempts} times in a row; "
                     f"last: {message}")

@@ -56,7 +56,7 @@ class StepRuntime:
         limit = timeout_s or self.step_timeout_s
         try:
             return await asyncio.wait_for(work, limit)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EngineTimeout(
                 self.engine,
                 f"{getattr(fn, '__name__', 'an engine call')} took longer than "
@@ -101,7 +101,7 @@ class StepRuntime:
         """Hold the step lock: no step runs inside. EngineTimeout if the step in flight overruns."""
         try:
             await asyncio.wait_for(self.step_lock.acquire(), self.step_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EngineTimeout(
                 self.engine,
                 f"{what} waited longer than {self.step_timeout_s}s for the step in flight to finish",
@@ -161,7 +161,7 @@ class StepRuntime:
         """Wait for a request's result; abort it on timeout (EngineTimeout) or cancellation."""
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.request_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await abort(request_id)
             raise EngineTimeout(
                 self.engine,
@@ -217,7 +217,7 @@ class StepRuntime:
         if self._scheduler is not None:
             try:
                 await asyncio.wait_for(self._scheduler, self.step_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning(
                     "%s engine: the step in flight did not finish in %ss; stopping anyway",
                     self.engine,

@@ -180,7 +180,7 @@ class SGLangEngine(InferenceEngine):
     async def _wait_for_weights(self) -> None:
         try:
             await asyncio.wait_for(self._weights_ready.wait(), self._settings.control_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EngineTimeout(
                 self.name, "a weight update did not finish within control_timeout_s"
             ) from None

@@ -132,7 +132,7 @@ class SGLangServer:
             os.killpg(process.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(process.wait(), _STOP_GRACE_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             await asyncio.wait_for(process.wait(), _STOP_GRACE_S)

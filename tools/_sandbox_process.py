@@ -135,7 +135,7 @@ class SandboxProcess:
         except asyncio.CancelledError:
             await asyncio.shield(self.close())
             raise
-        except (TimeoutError, asyncio.TimeoutError, _ControlClosed, ValueError) as error:
+        except (TimeoutError, _ControlClosed, ValueError) as error:
             await self.close()
             assert self._process.stderr is not None
             diagnostics = (await self._process.stderr.read(4000)).decode(errors="replace").strip()
@@ -163,7 +163,7 @@ class SandboxProcess:
         is_wall_timeout = False
         try:
             report = await asyncio.wait_for(self._send_and_receive(payload), timeout_s)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             is_wall_timeout = True
         except (_ControlClosed, OSError):
             report = None
@@ -294,7 +294,7 @@ async def _wait_readable(fd: int, timeout_s: float) -> None:
     loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
     try:
         await asyncio.wait_for(ready, timeout_s)
-    except (TimeoutError, asyncio.TimeoutError):
+    except TimeoutError:
         logger.warning("a killed sandbox's PID 1 was still alive after %.1f s", timeout_s)
     finally:
         loop.remove_reader(fd)

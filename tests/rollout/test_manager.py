@@ -119,3 +119,18 @@ async def test_state_and_restore_lose_no_group_and_use_none_twice() -> None:
                 assert max(lags) <= 2
                 await second.sync_weights([("w", torch.zeros(1))], step + 1)
     assert sorted(consumed) == list(range(10))  # every prompt exactly once, none skipped
+
+
+async def test_a_dead_engine_stops_the_run_at_once_instead_of_burning_prompts() -> None:
+    from rollout.errors import EngineUnavailable
+
+    async def dead(ticket: GroupTicket) -> list[Trajectory]:
+        raise EngineUnavailable("scripted", "the engine stopped")
+
+    async with ScriptedEngine() as engine:
+        manager = RolloutManager(engine, dead, groups_per_batch=1, max_lag=0, max_concurrent_groups=1,
+                                 max_attempts=10)
+        async with manager:
+            with pytest.raises(RolloutFailed, match="systemic"):
+                await manager.next_batch()
+    assert manager.counters.groups_failed == 1
