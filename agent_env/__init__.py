@@ -1,1 +1,32 @@
 """Tasks from YAML, datasets, rewards, the multi-turn SimpleTIR agent loop and evaluation."""
+
+from agent_env.datasets import DatasetError, DatasetLoad, load_samples
+from agent_env.eval_metrics import majority_is_correct, pass_at_k, summarize
+from agent_env.evaluate import EvalFileError, evaluate
+from agent_env.loop import Episode, EpisodeSettings, TurnRecord, run_episode
+from agent_env.prompts import PromptError, render_messages, render_prompt_ids
+from agent_env.rewards import RewardFn, RewardResult, build_reward, extract_answer
+from agent_env.samples import Sample
+
+__all__ = [
+    "DatasetError",
+    "DatasetLoad",
+    "Episode",
+    "EpisodeSettings",
+    "EvalFileError",
+    "PromptError",
+    "RewardFn",
+    "RewardResult",
+    "Sample",
+    "TurnRecord",
+    "build_reward",
+    "evaluate",
+    "extract_answer",
+    "load_samples",
+    "majority_is_correct",
+    "pass_at_k",
+    "render_messages",
+    "render_prompt_ids",
+    "run_episode",
+    "summarize",
+]

@@ -324,6 +324,21 @@ class OpobBenchConfig(StrictModel):
     """Seed of the random batch and model."""
 
 
+class AsyncBenchConfig(StrictModel):
+    """`vcpo bench async`: wall time of the same training workload at several lag bounds k."""
+
+    run_config: str = "configs/default.yaml"
+    """The run config whose workload (model, task, algo, batch) every k trains."""
+    lags: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0, 1, 2, 4])
+    """Lag bounds to compare; 0 (synchronous) is the baseline of the speedups."""
+    steps: int = Field(6, ge=1)
+    """Optimizer steps per k (the same for all)."""
+    overrides: list[str] = Field(default_factory=list)
+    """a.b.c=value overrides applied to the run config (e.g. a smaller model or batch)."""
+    run_root: str = "runs/bench-async"
+    """Where each k's run directory goes (wiped first)."""
+
+
 class SandboxBenchConfig(StrictModel):
     """`vcpo bench sandbox`: local sandbox latency/throughput vs a bare `python3 -c`, same run."""
 
@@ -408,6 +423,8 @@ class RunConfig(StrictModel):
     task: str = "configs/tasks/countdown.yaml"
     """Task YAML (dataset, prompt, tool, budgets, reward): a path, relative to the working directory
     or to the installed package (e.g. configs/tasks/gsm8k.yaml)."""
+    task_overrides: list[str] = Field(default_factory=list)
+    """a.b.c=value overrides applied to the task file, e.g. ["loop.max_total_tokens=512"]."""
     engine: dict[str, Any] = Field(default_factory=lambda: {"backend": "auto"})
     """Rollout engine settings (rollout/settings.py), e.g. {backend: hf} or {backend: vllm, dtype: float32};
     'auto' = vLLM when it runs here, else HF."""

@@ -34,12 +34,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *overrides]
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from agent_env.datasets import DatasetError
+    from agent_env.rewards import RewardConfigError
     from configs.loader import ConfigError
+    from rollout.errors import EngineUnavailable
     from rollout.models import ModelLoadError
+    from tools.base import ToolConfigError, ToolUnavailableError
 
+    user_errors = (ConfigError, ModelLoadError, DatasetError, RewardConfigError, ToolConfigError,
+                   ToolUnavailableError, EngineUnavailable)
     try:
         return int(args.handler(args) or 0)
-    except (ConfigError, ModelLoadError) as exc:
+    except user_errors as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -62,7 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
     model.set_defaults(handler=_model_prepare)
 
     bench = commands.add_parser("bench", help="benchmarks (JSON on stdout)")
-    bench.add_argument("name", choices=["opob", "sandbox", "engine"])
+    bench.add_argument("name", choices=["opob", "sandbox", "engine", "async"])
     bench.add_argument("--config", type=Path, default=None, help="benchmark config YAML")
     bench.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     bench.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the benchmark config")
@@ -82,16 +88,32 @@ def _build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", type=Path, default=None, help="PNG path (default: RUN_DIR/dashboard.png)")
     plot.set_defaults(handler=_plot)
 
-    for name, issue in (("train", "#6"), ("eval", "#5")):
-        pending = commands.add_parser(name, help=f"(not built yet: issue {issue})")
-        pending.add_argument("rest", nargs=argparse.REMAINDER)
-        pending.set_defaults(handler=lambda _args, _n=name, _i=issue: _not_built(_n, _i))
+    train = commands.add_parser(
+        "train", help="train asynchronously (resumes from RUN_DIR's newest checkpoint)")
+    train.add_argument("config", type=Path, nargs="?", default=Path("configs/default.yaml"),
+                       help="run config YAML (default: configs/default.yaml)")
+    train.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the run config")
+    train.add_argument("--no-progress", action="store_true", help="no live progress line")
+    train.add_argument("--stop-after-step", type=int, default=None,
+                       help="exit after this step (a checkpoint is written first if it is a checkpoint step)")
+    train.set_defaults(handler=_train)
+
+    evaluate = commands.add_parser("eval", help="evaluate a model on a task (avg@k, pass@k, maj@k)")
+    evaluate.add_argument("task", type=Path, help="task YAML, e.g. configs/tasks/gsm8k.yaml")
+    evaluate.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the task")
+    evaluate.add_argument("--model", default="default", help="model spec: 'default', a directory or a hub id")
+    evaluate.add_argument("--backend", default="auto", choices=["auto", "hf", "vllm", "openai"],
+                          help="engine backend (openai = any OpenAI-compatible server, see --url)")
+    evaluate.add_argument("--url", default=None, help="base URL of an OpenAI-compatible server")
+    evaluate.add_argument("--k", type=int, default=None,
+                          help="samples per problem (default: the task's eval.k)")
+    evaluate.add_argument("--limit", type=int, default=None, help="first N problems (default: the task's)")
+    evaluate.add_argument("--out", type=Path, default=None,
+                          help="samples JSONL (default: evals/<task>-<model>.jsonl)")
+    evaluate.add_argument("--seed", type=int, default=0, help="sampling seed")
+    evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
+    evaluate.set_defaults(handler=_eval)
     return parser
-
-
-def _not_built(name: str, issue: str) -> int:
-    print(f"error: 'vcpo {name}' is not built yet (tracked in issue {issue}).", file=sys.stderr)
-    return 2
 
 
 def _cache_dir() -> Path:
@@ -103,10 +125,17 @@ def _cache_dir() -> Path:
 def _config_check(args: argparse.Namespace) -> int:
     import yaml
 
-    from configs.loader import load_config
+    from configs.loader import load_config, read_yaml_tree
     from configs.schema import RunConfig
+    from learner.compose import engine_settings, load_task
 
-    config = load_config(args.file, RunConfig, args.overrides)
+    raw = read_yaml_tree(args.file)
+    if isinstance(raw, dict) and "prompt" in raw and "reward" in raw:  # a task file
+        config, _ = load_task(args.file, args.overrides)
+    else:  # a run config: its task and engine sections are checked too
+        config = load_config(args.file, RunConfig, args.overrides)
+        load_task(config.task, config.task_overrides, relative_to=args.file.parent)
+        engine_settings(config.engine, str(args.file))
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
@@ -139,6 +168,11 @@ def _bench(args: argparse.Namespace) -> int:
         config = _bench_config(args, OpobBenchConfig)
         _set_threads()
         result = run_opob_bench(config, cache_dir=_cache_dir(), progress=_progress)
+    elif args.name == "async":
+        from configs.schema import AsyncBenchConfig
+        from learner.bench_async import run_async_bench
+
+        result = run_async_bench(_bench_config(args, AsyncBenchConfig), _cache_dir(), progress=_progress)
     elif args.name == "engine":
         from rollout.bench import run_engine_bench
 
@@ -181,6 +215,40 @@ def _plot(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from configs.loader import load_config, write_resolved_config
+    from configs.schema import RunConfig
+    from learner.compose import engine_settings, load_task
+    from learner.run_train import run_training
+
+    config = load_config(args.config, RunConfig, args.overrides)
+    task, task_path = load_task(config.task, config.task_overrides, relative_to=args.config.parent)
+    settings = engine_settings(config.engine, str(args.config))
+    run_dir = Path(config.run_dir)
+    write_resolved_config(config, run_dir)
+    write_resolved_config(task, run_dir, name="task.yaml")
+    cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else _cache_dir()
+    summary = asyncio.run(run_training(config, task, task_path, settings, cache_dir, run_dir,
+                                       progress=not args.no_progress, stop_after_step=args.stop_after_step))
+    first = sum(summary.first_rewards) / max(1, len(summary.first_rewards))
+    last = sum(summary.last_rewards) / max(1, len(summary.last_rewards))
+    print(f"trained {summary.steps} steps in {summary.wall_s:.0f} s; reward (mean of step means) first "
+          f"{len(summary.first_rewards)} steps {first:.3f} → last {len(summary.last_rewards)} steps "
+          f"{last:.3f}; "
+          f"metrics: {run_dir / 'metrics.jsonl'}; dashboard: vcpo plot {run_dir}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from learner.run_eval import run_evaluation
+
+    return asyncio.run(run_evaluation(args, _cache_dir()))
 
 
 def _set_threads() -> None:

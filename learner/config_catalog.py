@@ -1,18 +1,20 @@
 """Which schema validates which shipped YAML file, for `vcpo config check` and the tests.
 
 Lives in the composition layer because it joins schemas from several layers (run configs from
-`configs/`, tool specs from `tools/`); `configs/` itself stays pydantic-only.
+`configs/`, tool specs from `tools/`, rewards from `agent_env/`); `configs/` itself stays pydantic-only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import configs
+from agent_env.rewards import RewardConfigError, build_reward
 from configs.loader import ConfigError, load_config, read_yaml_tree
-from configs.schema import OpobBenchConfig, RunConfig
+from configs.schema import AsyncBenchConfig, EngineBenchConfig, OpobBenchConfig, RunConfig, SandboxBenchConfig
+from configs.task_schema import TaskConfig, load_task_config
 from tools.base import ToolConfigError
 from tools.registry import validate_tool_settings
 from tools.settings import SandboxServerSettings
@@ -27,18 +29,52 @@ def _tool_spec(path: Path) -> Any:
         raise ConfigError(str(path), [str(exc)]) from None
 
 
+_BENCH_SCHEMAS: dict[str, type] = {"opob": OpobBenchConfig, "async": AsyncBenchConfig,
+                                   "engine": EngineBenchConfig, "sandbox": SandboxBenchConfig}
+"""configs/bench/<name>.yaml → the schema of `vcpo bench <name>`."""
+
+def check_task_config(path: str | Path, overrides: Sequence[str] = ()) -> TaskConfig:
+    """Load a task YAML and check what its schema cannot: the tool spec (tools.registry) and that
+    the reward builds (a custom `reward.function` imports). Raises ConfigError listing every problem."""
+    task = load_task_config(path, overrides)
+    problems: list[str] = []
+    if task.tool is not None:
+        try:
+            validate_tool_settings(task.tool)
+        except ToolConfigError as exc:
+            problems.append(f"tool: {exc}")
+    try:
+        build_reward(task.reward, task.answer)
+    except RewardConfigError as exc:
+        problems.append(f"reward.function: {exc}")
+    if problems:
+        raise ConfigError(str(path), problems)
+    return task
+
+
 _VALIDATORS: dict[str, Callable[[Path], Any]] = {
-    "bench": lambda path: load_config(path, OpobBenchConfig),
+    "bench": lambda path: load_config(path, _BENCH_SCHEMAS.get(path.stem, OpobBenchConfig)),
     "sandbox": lambda path: load_config(path, SandboxServerSettings),
+    "tasks": check_task_config,
     "tools": _tool_spec,
 }
+
+
+def check_run_config(path: Path) -> RunConfig:
+    """A run config, with its task file (plus `task_overrides`) and its engine section checked too."""
+    from learner.compose import engine_settings, resolve_task_path
+
+    config = load_config(path, RunConfig)
+    check_task_config(resolve_task_path(config.task, Path(path).parent), config.task_overrides)
+    engine_settings(config.engine, str(path))
+    return config
 
 
 def validate_shipped_file(path: Path) -> Any:
     """Validate a YAML file under configs/ with the schema of its first sub-folder (else a run)."""
     relative = Path(path).resolve().relative_to(CONFIG_ROOT)
     folder = relative.parts[0] if len(relative.parts) > 1 else ""
-    return _VALIDATORS.get(folder, lambda p: load_config(p, RunConfig))(path)
+    return _VALIDATORS.get(folder, check_run_config)(path)
 
 
 def shipped_config_files() -> list[Path]:

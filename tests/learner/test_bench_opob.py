@@ -40,8 +40,7 @@ def test_bench_cli_rejects_bad_override(capsys) -> None:
 def test_padding_puts_each_targets_value_in_its_trajectory_row() -> None:
     import torch
 
-    from learner.packing import TargetPadding
-    from learner.packing import TrajectoryTokens, build_microbatch
+    from learner.packing import TargetPadding, TrajectoryTokens, build_microbatch
 
     # trajectory 0: 4 tokens, loss on the last 2 → 2 targets; trajectory 1: 3 tokens, loss on the last 1 → 1
     batch = build_microbatch([TrajectoryTokens([1, 2, 3, 4], [False, False, True, True], group_id=0),

@@ -1,0 +1,53 @@
+"""Build the objects of a training run from its validated config and run `learner.trainer.train`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from configs.schema import RunConfig
+from configs.task_schema import TaskConfig
+from learner.compose import task_runtime
+from learner.torch_learner import TorchLearner
+from learner.trainer import TrainSummary, train
+from learner.varlen_attention import register_varlen_sdpa
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def learner_device(spec: str) -> str:
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return spec
+
+
+def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> TorchLearner:
+    """The learner's own model copy (packing-aware attention) and optimizer."""
+    from rollout.models import load_causal_lm
+
+    model = load_causal_lm(config.model.path, cache_dir, _DTYPES[config.model.dtype],
+                           learner_device(config.learner.device))
+    model.set_attn_implementation(register_varlen_sdpa())
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return TorchLearner(model, config.algo, config.optim,
+                        micro_batch_tokens=config.learner.micro_batch_tokens,
+                        temperature=task.loop.temperature)
+
+
+async def run_training(
+    config: RunConfig, task: TaskConfig, task_path: Path, settings: Any, cache_dir: Path, run_dir: Path, *,
+    progress: bool = True, stop_after_step: int | None = None,
+) -> TrainSummary:
+    """Train `config` on `task` with the engine `settings`; resumes when run_dir has a checkpoint."""
+    from rollout.models import load_tokenizer, resolve_model
+
+    resolved = resolve_model(config.model.path, cache_dir)
+    tokenizer = load_tokenizer(config.model.path, cache_dir)
+    learner = build_learner(config, task, cache_dir)
+    async with task_runtime(task, task_path, model_dir=resolved.name_or_path, tokenizer=tokenizer,
+                            settings=settings, which="train") as runtime:
+        return await train(config, runtime, learner, run_dir, progress=progress,
+                           stop_after_step=stop_after_step)
