@@ -170,10 +170,15 @@ class TorchLearner:
         return tokens
 
     def _pack(self, tokens: list[TrajectoryTokens]) -> list[PackedMicroBatch]:
-        group_tokens: dict[int, int] = {}
-        for t in tokens:
-            group_tokens[t.group_id] = group_tokens.get(t.group_id, 0) + len(t.token_ids)
-        budget = max(self.micro_batch_tokens, max(group_tokens.values()))  # whole groups per micro-batch
+        """VCPO's two-buffer gradient lets a group span micro-batches, so its micro-batches keep to the
+        token budget (activation memory ∝ budget). Other objectives compute group statistics inside one
+        loss call, so their micro-batches hold whole groups (over budget when a group is larger)."""
+        budget = self.micro_batch_tokens
+        if not self.objective.needs_grad_norms:
+            group_tokens: dict[int, int] = {}
+            for t in tokens:
+                group_tokens[t.group_id] = group_tokens.get(t.group_id, 0) + len(t.token_ids)
+            budget = max(budget, max(group_tokens.values()))
         plans = plan_microbatches([len(t.token_ids) for t in tokens], [t.group_id for t in tokens], budget)
         aggregation = _PACKED_AGGREGATION.get(self.objective.loss_aggregation, "mean")
         return [build_microbatch(tokens, plan, aggregation).to(self.device) for plan in plans]

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -204,6 +205,18 @@ def rollout_metrics(batch: StepInput) -> dict[str, float]:
     }
 
 
+def export_model(learner: TorchLearner, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> Path:
+    """The trained policy as an HF directory (safetensors + tokenizer) for `vcpo eval --model`, any
+    engine or the hub; written beside and renamed into place, so a reader never sees half of it."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    learner.model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
 @dataclass
 class TrainSummary:
     steps: int
@@ -238,6 +251,7 @@ async def train(config: RunConfig, runtime: TaskRuntime, learner: TorchLearner, 
         log.info("resuming from %s (step %d)", checkpoint, start_step)
         await manager.sync_weights(learner.named_weights(), start_step)
     rewards: list[float] = []
+    is_finished = False
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         trajectory_log = None
@@ -279,7 +293,7 @@ async def train(config: RunConfig, runtime: TaskRuntime, learner: TorchLearner, 
                 rewards.append(float(metrics.get("reward/mean", 0.0)))
                 if display is not None:
                     display.update(step + 1, metrics)
-                is_last = step + 1 == trainer.total_steps
+                is_last = is_finished = step + 1 == trainer.total_steps
                 if (step + 1) % trainer.checkpoint_every == 0 or is_last:
                     save_checkpoint(run_dir, step + 1, {"learner": learner.state_dict(), "rng": rng_state(),
                                                         "rollout": manager.state()},
@@ -287,5 +301,7 @@ async def train(config: RunConfig, runtime: TaskRuntime, learner: TorchLearner, 
                                     keep=trainer.keep_checkpoints)
                 if stop_after_step is not None and step + 1 >= stop_after_step:
                     break
+    if is_finished:
+        export_model(learner, runtime.tokenizer, run_dir / "export")
     steps_done = len(rewards)
     return TrainSummary(steps_done, rewards[:10], rewards[-10:], time.perf_counter() - started, run_dir)

@@ -83,3 +83,37 @@ def test_vcpo_eval_runs_the_tool_loop_writes_samples_and_resumes(tmp_path: Path,
     # other settings, same file: refused, nothing overwritten
     third = _eval(*args, "--k", "3")
     assert third.returncode == 2 and "other settings" in third.stderr
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+async def test_vcpo_eval_through_an_openai_compatible_url(tmp_path: Path, memorised_dir: Path) -> None:
+    """`--backend openai --url`: the same tool loop over HTTP (a loopback stand-in server backed by
+    the real HF engine on the memorised model, speaking vLLM's /v1/completions dialect)."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from learner.cli import main
+    from rollout.hf_engine import HFEngine
+    from tests.rollout.standin_servers import OpenAIStandin, serve
+
+    (tmp_path / "data.jsonl").write_text(json.dumps({"question": memorised.QUESTION, "answer": "42"}) + "\n")
+    task = {"name": "six-times-seven", "dataset": {"type": "file", "path": "data.jsonl"},
+            "fields": {"answer": "answer", "template_fields": {"question": "question"}},
+            "prompt": {"system": memorised.SYSTEM, "user": "{question}"},
+            "tool": {"type": "python", "timeout_s": 10, "warm_pool_size": 0},
+            "loop": {"max_total_tokens": 400}, "reward": {"type": "math_verify"}, "eval": {"temperature": 0.0}}
+    (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
+    tokenizer = AutoTokenizer.from_pretrained(memorised_dir)
+    out = tmp_path / "samples.jsonl"
+    async with HFEngine(memorised_dir) as engine:
+        server = OpenAIStandin(engine, tokenizer.decode,
+                               lambda text: tokenizer.encode(text, add_special_tokens=False))
+        server.app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": str(memorised_dir)}]})
+        async with serve(server.app) as url:
+            code = await asyncio.to_thread(main, [
+                "eval", str(tmp_path / "task.yaml"), "--backend", "openai", "--url", f"{url}/v1",
+                "--model", str(memorised_dir), "--out", str(out), "--no-progress"])
+    assert code == 0
+    sample = json.loads(out.read_text().splitlines()[1])
+    assert sample["is_correct"] and sample["tool_calls"] == 1 and len(server.calls) == 2  # two turns

@@ -99,6 +99,9 @@ def test_train_runs_logs_every_metric_and_respects_the_lag_bound(tmp_path: Path,
     checkpoint = latest_checkpoint(tmp_path / "run")
     assert checkpoint is not None and checkpoint.name == "step_000004"
     assert (tmp_path / "run" / "tensorboard").is_dir()
+    export = tmp_path / "run" / "export"  # the trained policy as an HF directory, loadable by any engine
+    assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
+    assert (export / "tokenizer.json").is_file()
     plot = _vcpo("plot", str(tmp_path / "run"))
     assert plot.returncode == 0 and Path(plot.stdout.strip()).stat().st_size > 10_000
 
@@ -147,3 +150,25 @@ def test_a_crashing_reward_is_counted_and_the_run_continues(tmp_path: Path, tiny
     records = read_metrics(tmp_path / "run")
     assert len(records) == 3
     assert records[-1]["rollout/reward_errors"] > 0
+
+
+@needs_bwrap
+@pytest.mark.default_model
+@pytest.mark.timeout(900)
+def test_default_model_trains_on_the_shipped_countdown_task(tmp_path: Path, default_model_dir: Path) -> None:
+    """The main job, shrunk: the real default model, the best engine here, the shipped Countdown task
+    with the Python tool, VCPO at k = 1 — two steps, every metric logged, weights pushed."""
+    run_dir = tmp_path / "run"
+    result = _vcpo("train", "configs/default.yaml", "--no-progress", f"run_dir={run_dir}",
+                   f"model.path={default_model_dir}", "trainer.total_steps=2", "rollout.max_lag=1",
+                   "rollout.groups_per_step=1", "algo.group_size=4",
+                   "task_overrides=[loop.max_turns=1, loop.max_total_tokens=384, "
+                   "loop.max_new_tokens_per_turn=96, reward.format_score=0.1]", timeout=850)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert [r["trainer_step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["staleness/max"] <= 1 and record["tokens/generated"] > 0
+        assert record["grad/norm"] is None or record["grad/norm"] >= 0
+    lines = (run_dir / "trajectories.jsonl").read_text().splitlines()
+    assert len(lines) == 8  # 2 steps × 1 group × 4 episodes
