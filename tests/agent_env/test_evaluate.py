@@ -102,7 +102,8 @@ async def test_vcpo_eval_through_an_openai_compatible_url(tmp_path: Path, memori
             "fields": {"answer": "answer", "template_fields": {"question": "question"}},
             "prompt": {"system": memorised.SYSTEM, "user": "{question}"},
             "tool": {"type": "python", "timeout_s": 10, "warm_pool_size": 0},
-            "loop": {"max_total_tokens": 400}, "reward": {"type": "math_verify"}, "eval": {"temperature": 0.0}}
+            "loop": {"max_total_tokens": 400}, "reward": {"type": "math_verify"},
+            "eval": {"temperature": 0.0}}
     (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
     tokenizer = AutoTokenizer.from_pretrained(memorised_dir)
     out = tmp_path / "samples.jsonl"
