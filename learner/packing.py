@@ -251,15 +251,17 @@ def pack_trajectories(
 class TargetPadding:
     """Scatter (K,) per-target values of a micro-batch into (n, T_max) rows, one per trajectory —
     the (B, T) layout the objectives take. Row j holds trajectory j's targets left-aligned, in order;
-    `mask` marks the filled cells. The indices are built once per micro-batch."""
+    `mask` marks the filled cells. The indices are built once per micro-batch, on the batch's device
+    (from its host-side counts, so no device sync)."""
 
     def __init__(self, batch: PackedMicroBatch) -> None:
-        counts = torch.tensor(batch.target_counts)
-        self.rows = torch.repeat_interleave(torch.arange(batch.num_trajectories), counts)
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)[:-1]])
-        self.columns = torch.arange(int(counts.sum())) - starts[self.rows]
+        device = batch.input_ids.device
+        counts = torch.tensor(batch.target_counts, device=device)
+        self.rows = torch.repeat_interleave(torch.arange(batch.num_trajectories, device=device), counts)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long, device=device), counts.cumsum(0)[:-1]])
+        self.columns = torch.arange(sum(batch.target_counts), device=device) - starts[self.rows]
         self.shape = (batch.num_trajectories, max(batch.target_counts))
-        self.mask = torch.zeros(self.shape, dtype=torch.bool)
+        self.mask = torch.zeros(self.shape, dtype=torch.bool, device=device)
         self.mask[self.rows, self.columns] = True
 
     def __call__(self, values: Tensor) -> Tensor:

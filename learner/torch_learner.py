@@ -275,21 +275,21 @@ class _FullBatch:
                  behavior: list[Tensor], ref: list[Tensor] | None, device: torch.device) -> None:
         self.microbatches, self.size, self.device = microbatches, size, device
         self.old, self.behavior, self.ref = old, behavior, ref
-        self.padding = [TargetPadding(mb.to("cpu")) for mb in microbatches]
+        self.padding = [TargetPadding(mb) for mb in microbatches]
         self.width = max([max(mb.target_counts) for mb in microbatches] + [1])
 
     def _stack(self, per_microbatch: list[Tensor]) -> Tensor:
         """(B, width): row i = trajectory i's targets, whatever micro-batch it sat in."""
         out = torch.zeros(self.size, self.width, device=self.device)
         for pad, mb, values in zip(self.padding, self.microbatches, per_microbatch, strict=True):
-            rows = pad(values.cpu()).to(self.device)
+            rows = pad(values)
             out[mb.trajectory_indices, : rows.shape[1]] = rows
         return out
 
     def mask(self) -> Tensor:
         out = torch.zeros(self.size, self.width, dtype=torch.bool, device=self.device)
         for pad, mb in zip(self.padding, self.microbatches, strict=True):
-            out[mb.trajectory_indices, : pad.mask.shape[1]] = pad.mask.to(self.device)
+            out[mb.trajectory_indices, : pad.mask.shape[1]] = pad.mask
         return out
 
     def trained_counts(self) -> Tensor:

@@ -127,3 +127,20 @@ def test_lr_schedule_warms_up_then_decays() -> None:
     optim = OptimConfig(lr=1.0, warmup_steps=2, schedule="linear", total_steps=6)
     # warm-up: (step+1)/2 → 0.5, 1.0; then 1 − (step−2)/4 → 1, .75, .5, .25
     assert [lr_at(optim, s) for s in range(6)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_learner_takes_vcpo_and_grpo_steps(dtype: torch.dtype) -> None:
+    """GPU smoke test: the same steps on CUDA (fp32 and bf16 weights) give finite metrics and move
+    the weights."""
+    tokens = random_trajectories(num_groups=2, per_group=4, seed=5)
+    trajectories, groups = _as_trajectories(tokens, seed=6)
+    for objective in ("vcpo", "grpo"):
+        algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": 4})
+        model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa()).to("cuda", dtype).train()
+        learner = TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=64)
+        before = [p.detach().clone() for p in model.parameters()]
+        metrics = learner.step(StepInput(trajectories, groups, [1] * len(tokens), [True] * len(tokens)))
+        assert math.isfinite(metrics["grad/norm"]) and metrics["grad/norm"] > 0
+        assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
