@@ -22,6 +22,7 @@ import copy
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property, partial
 from typing import Any
 
 import torch
@@ -43,10 +44,9 @@ from vcpo.groups import group_std, index_groups, single_group
 from vcpo.is_weights import sequence_is_weights, truncated_is_weights
 from vcpo.objectives import PolicyLossInputs
 from vcpo.opob import (
+    BASELINE_AGGREGATIONS,
     opob_baseline_weights,
     vcpo_coefficients,
-    weighted_mean_baseline,
-    weighted_median_baseline,
     winsorized_mean_baseline,
 )
 from vcpo.step_size import StepSizeInputs
@@ -229,9 +229,9 @@ class TorchLearner:
         baseline_is = None
         if objective.use_is_weights:
             baseline_is = truncated if objective.use_clipped_weights else weights
-        aggregate = {"weighted_mean": weighted_mean_baseline, "weighted_median": weighted_median_baseline,
-                     "winsorized_mean": lambda *a: winsorized_mean_baseline(
-                         *a, upper_quantile=objective.winsorize_quantile)}[objective.aggregation]
+        aggregate = BASELINE_AGGREGATIONS[objective.aggregation]  # the objective's own table
+        if aggregate is winsorized_mean_baseline:
+            aggregate = partial(winsorized_mean_baseline, upper_quantile=objective.winsorize_quantile)
 
         def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
             members = members.to(self.device)
@@ -286,7 +286,9 @@ class _FullBatch:
             out[mb.trajectory_indices, : rows.shape[1]] = rows
         return out
 
+    @cached_property
     def mask(self) -> Tensor:
+        """(B, width) bool: the filled (trained-token) cells of the stacked layout."""
         out = torch.zeros(self.size, self.width, dtype=torch.bool, device=self.device)
         for pad, mb in zip(self.padding, self.microbatches, strict=True):
             out[mb.trajectory_indices, : pad.mask.shape[1]] = pad.mask
@@ -300,16 +302,16 @@ class _FullBatch:
 
     def seq_log_ratios(self) -> Tensor:
         """(B,) L_i = Σ_{t∈M_i} log π_old − log μ."""
-        return ((self._stack(self.old) - self._stack(self.behavior)) * self.mask()).sum(dim=-1)
+        return ((self._stack(self.old) - self._stack(self.behavior)) * self.mask).sum(dim=-1)
 
     def num_units(self, aggregation: str) -> float:
-        return float(self.mask().sum()) if aggregation == "token-mean" else float(self.size)
+        return float(self.mask.sum()) if aggregation == "token-mean" else float(self.size)
 
     def inputs(self, logprobs: list[Tensor], rewards: Tensor, group_ids: Tensor, lags: Tensor,
                norms: Tensor | None) -> PolicyLossInputs:
         return PolicyLossInputs(
             logprobs=self._stack(logprobs), old_logprobs=self._stack(self.old),
-            behavior_logprobs=self._stack(self.behavior), loss_mask=self.mask(), rewards=rewards,
+            behavior_logprobs=self._stack(self.behavior), loss_mask=self.mask, rewards=rewards,
             group_ids=group_ids, lags=lags,
             ref_logprobs=self._stack(self.ref) if self.ref is not None else None,
             seq_sq_grad_norms=norms, num_units=float(self.size) if norms is not None else None)
