@@ -339,6 +339,78 @@ class AsyncBenchConfig(StrictModel):
     """Where each k's run directory goes (wiped first)."""
 
 
+class StalenessMethodConfig(StrictModel):
+    """One row of `vcpo bench staleness`: an objective + step-size rule and its own learning rate."""
+
+    name: str
+    """Row name in the tables and plots."""
+    algo: dict[str, Any]
+    """The run config's `algo` section for this method (objective, ess_lr, staleness_lr, ...);
+    `group_size` comes from the benchmark."""
+    lr: float = Field(gt=0)
+    """Peak learning rate of this method (chosen by the k = 0 sweep, see configs/bench/staleness.yaml)."""
+
+    @model_validator(mode="after")
+    def _valid_algo(self) -> StalenessMethodConfig:
+        AlgoConfig.model_validate({**self.algo, "group_size": 8})  # a bad method fails at load time
+        return self
+
+
+class StalenessBenchConfig(StrictModel):
+    """`vcpo bench staleness`: methods × lag bounds × seeds through the real asynchronous pipeline on
+    a tiny pre-taught policy (learner/bench_staleness.py)."""
+
+    methods: list[StalenessMethodConfig] = Field(min_length=1)
+    """The compared methods (rows)."""
+    only: list[str] | None = None
+    """Run just these method names (the others keep their rows, marked not run); None = all."""
+    lags: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0, 4, 16, 64, 128])
+    """Lag bounds k; every batch lags by exactly min(k, step) (rollout.saturate_lag)."""
+    seeds: list[int] = Field(default_factory=lambda: [0, 1])
+    """Seeds per (method, k): the RL run's seed (sampling, data order); the pre-taught policy is shared."""
+    steps: int = Field(160, ge=1)
+    """Optimizer steps per run (the same budget for every method)."""
+    groups_per_step: int = Field(4, ge=1)
+    """Prompts per step."""
+    group_size: int = Field(8, ge=2)
+    """Samples per prompt."""
+    max_operand: int = Field(9, ge=1, le=99)
+    """The task: 'a+b=' for a, b in 0..max_operand; reward 1 for the exact sum."""
+    pretrain_correct_frac: float = Field(0.3, gt=0, lt=1)
+    """Pre-teaching mixes the right sum (this share) with wrong sums, so RL starts from a policy that
+    is right about this often and has room to learn."""
+    pretrain_steps: int = Field(300, ge=1)
+    """Full-batch Adam steps of the pre-teaching."""
+    hidden_size: int = Field(64, ge=8)
+    """Width of the tiny Llama policy."""
+    num_layers: int = Field(2, ge=1)
+    """Depth of the tiny Llama policy."""
+    workers: int = Field(2, ge=1)
+    """Runs in parallel (one process and one CPU thread each)."""
+    collapse_fraction: float = Field(0.5, gt=0, lt=1)
+    """A run has collapsed at the first step whose trailing-10-step reward falls below this share of
+    its first 10 steps' reward (or whose loss / grad norm is not finite)."""
+    lr_grid: list[Annotated[float, Field(gt=0)]] = Field(
+        default_factory=lambda: [3e-4, 1e-3, 3e-3, 1e-2])
+    """Learning rates tried by `mode: lr_sweep`."""
+    sweep_seed: int = 1000
+    """Seed of the lr sweep (not one of `seeds`, so the lr is not chosen on the reported runs)."""
+    mode: Literal["matrix", "lr_sweep"] = "matrix"
+    """matrix: the full table; lr_sweep: each method at k = 0 with every lr in lr_grid (one seed)."""
+    run_root: str = "runs/bench-staleness"
+    """Where the policy, the task, every run directory and the plots go."""
+
+    @model_validator(mode="after")
+    def _check(self) -> StalenessBenchConfig:
+        names = [method.name for method in self.methods]
+        if len(set(names)) != len(names):
+            raise ValueError(f"methods: duplicate names in {names}; give every method its own name")
+        unknown = sorted(set(self.only or ()) - set(names))
+        if unknown:
+            raise ValueError(f"only: {unknown} are not method names; valid: {names}")
+        return self
+
+
 class SandboxBenchConfig(StrictModel):
     """`vcpo bench sandbox`: local sandbox latency/throughput vs a bare `python3 -c`, same run."""
 
@@ -379,6 +451,10 @@ class RolloutConfig(StrictModel):
     """Groups generating at once; None = groups_per_step × (max_lag + 1) (everything the bound allows)."""
     max_group_attempts: int = Field(3, ge=1)
     """A batch slot whose group fails this many times in a row stops the run (a systemic error)."""
+    saturate_lag: bool = False
+    """Stress-test mode (`vcpo bench staleness`): before each step the learner waits until the engine
+    has generated everything the bound admits, so every batch lags by exactly min(k, step). Off =
+    normal asynchrony: the realised lag is ≤ k and depends on engine vs learner speed."""
 
 
 class LearnerConfig(StrictModel):

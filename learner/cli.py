@@ -68,7 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
     model.set_defaults(handler=_model_prepare)
 
     bench = commands.add_parser("bench", help="benchmarks (JSON on stdout)")
-    bench.add_argument("name", choices=["opob", "sandbox", "engine", "async"])
+    bench.add_argument("name", choices=["opob", "sandbox", "engine", "async", "staleness"])
     bench.add_argument("--config", type=Path, default=None, help="benchmark config YAML")
     bench.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     bench.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the benchmark config")
@@ -83,9 +83,11 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="permit binding a non-loopback address (expose the sandbox to a network)")
     sandbox.set_defaults(handler=_sandbox_serve)
 
-    plot = commands.add_parser("plot", help="draw a run's dashboard PNG from its metrics.jsonl")
-    plot.add_argument("run_dir", type=Path)
-    plot.add_argument("--out", type=Path, default=None, help="PNG path (default: RUN_DIR/dashboard.png)")
+    plot = commands.add_parser("plot", help="draw a run's dashboard PNG from its metrics.jsonl; several "
+                                            "run dirs: one comparison PNG (reward, ESS, lr scale, grad norm)")
+    plot.add_argument("run_dir", type=Path, nargs="+")
+    plot.add_argument("--out", type=Path, default=None,
+                      help="PNG path (default: RUN_DIR/dashboard.png; with several runs: ./compare.png)")
     plot.set_defaults(handler=_plot)
 
     train = commands.add_parser(
@@ -180,6 +182,15 @@ def _bench(args: argparse.Namespace) -> int:
         result = run_engine_bench(engine.model, _cache_dir(), concurrencies=tuple(engine.concurrencies),
                                   max_new_tokens=engine.max_new_tokens, backends=tuple(engine.backends),
                                   dtype=engine.dtype, progress=_progress)
+    elif args.name == "staleness":
+        from configs.schema import StalenessBenchConfig
+        from learner.bench_staleness import run_staleness_bench
+        from learner.compose import PACKAGE_ROOT
+
+        if args.config is None:  # the methods and their lrs live in the shipped file
+            args.config = PACKAGE_ROOT / "configs" / "bench" / "staleness.yaml"
+        result = run_staleness_bench(_bench_config(args, StalenessBenchConfig), progress=_progress)
+        print(Path(result["config"]["run_root"], "summary.md").read_text(), file=sys.stderr)
     else:
         from tools.bench import run_sandbox_bench
 
@@ -207,10 +218,13 @@ def _sandbox_serve(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     from learner.metrics_log import MetricsFileError
-    from learner.plot import plot_run
+    from learner.plot import plot_compare, plot_run
 
     try:
-        print(plot_run(args.run_dir, args.out))
+        if len(args.run_dir) == 1:
+            print(plot_run(args.run_dir[0], args.out))
+        else:
+            print(plot_compare(args.run_dir, args.out or Path("compare.png")))
     except (MetricsFileError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

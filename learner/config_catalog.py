@@ -13,7 +13,14 @@ from typing import Any
 import configs
 from agent_env.rewards import RewardConfigError, build_reward
 from configs.loader import ConfigError, load_config, read_yaml_tree
-from configs.schema import AsyncBenchConfig, EngineBenchConfig, OpobBenchConfig, RunConfig, SandboxBenchConfig
+from configs.schema import (
+    AsyncBenchConfig,
+    EngineBenchConfig,
+    OpobBenchConfig,
+    RunConfig,
+    SandboxBenchConfig,
+    StalenessBenchConfig,
+)
 from configs.task_schema import TaskConfig, load_task_config
 from tools.base import ToolConfigError
 from tools.registry import validate_tool_settings
@@ -30,7 +37,8 @@ def _tool_spec(path: Path) -> Any:
 
 
 _BENCH_SCHEMAS: dict[str, type] = {"opob": OpobBenchConfig, "async": AsyncBenchConfig,
-                                   "engine": EngineBenchConfig, "sandbox": SandboxBenchConfig}
+                                   "engine": EngineBenchConfig, "sandbox": SandboxBenchConfig,
+                                   "staleness": StalenessBenchConfig}
 """configs/bench/<name>.yaml → the schema of `vcpo bench <name>`."""
 
 def check_task_config(path: str | Path, overrides: Sequence[str] = ()) -> TaskConfig:

@@ -187,7 +187,7 @@ class MetricsLogger:
     def _prepare_file(self, resume_from_step: int | None) -> list[dict[str, Any]]:
         """Make metrics.jsonl hold exactly the records to keep; return them."""
         if not self.path.is_file():
-            if resume_from_step is not None:
+            if resume_from_step:  # step 0 = a fresh start, nothing was expected
                 log.warning("resuming at step %d but %s does not exist; starting it",
                             resume_from_step, self.path)
             return []

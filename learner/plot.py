@@ -294,3 +294,34 @@ def _time_split(axes: Axes, run: _Run) -> None:
 def _throughput(axes: Axes, run: _Run) -> None:
     if _lines(axes, run, [PERF_TOKENS_PER_S], "throughput (perf/tokens_per_s)", color="tab:gray"):
         axes.set_ylim(bottom=0)
+
+
+COMPARE_PANELS = ((REWARD_MEAN, "training reward (batch mean, 3-step mean)"), (IS_ESS_RATIO, "ESS ratio"),
+                  (LR_SCALE, "lr scale"), (GRAD_NORM, "grad norm (before clipping)"))
+
+
+def plot_compare(run_dirs: Sequence[Path], out: Path) -> Path:
+    """Overlay several runs (e.g. one method at two lags): reward, ESS ratio, lr scale, grad norm vs
+    step, one line per run labelled by its directory name. Raises MetricsFileError for a run
+    without metrics."""
+    figure = Figure(figsize=(14, 9), dpi=100, layout="constrained")
+    grid = figure.subplots(2, 2)
+    for run_dir in map(Path, run_dirs):
+        records = [r for r in read_metrics(run_dir) if isinstance(r.get(TRAINER_STEP), (int, float))]
+        if not records:
+            raise MetricsFileError(no_metrics_message(run_dir))
+        run = _Run(sorted(records, key=lambda record: record[TRAINER_STEP]))
+        for axes, (key, title) in zip(grid.flat, COMPARE_PANELS, strict=True):
+            values = run.column(key)
+            if key == REWARD_MEAN:
+                values = _moving_average(values, 3)
+            axes.plot(run.steps, values, marker=run.marker, label=run_dir.name)
+            axes.set_title(title)
+    for axes in grid.flat:
+        _step_axis(axes)
+        axes.grid(True, alpha=0.3)
+        axes.legend(loc="best", fontsize=8)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, format="png")
+    return out

@@ -255,7 +255,8 @@ async def train(config: RunConfig, runtime: TaskRuntime, learner: TorchLearner, 
         max_lag=rollout.max_lag,
         max_concurrent_groups=(rollout.max_concurrent_groups
                                or rollout.groups_per_step * (rollout.max_lag + 1)),
-        max_attempts=rollout.max_group_attempts, fatal_errors=(EngineUnavailable, ToolUnavailableError))
+        max_attempts=rollout.max_group_attempts, fatal_errors=(EngineUnavailable, ToolUnavailableError),
+        total_batches=trainer.total_steps, saturate=rollout.saturate_lag)
     start_step = 0
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is not None:

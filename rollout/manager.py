@@ -22,6 +22,13 @@ the slots still in flight, which `restore()` re-admits first.
 Concurrency: everything runs on one asyncio loop; `run_group` coroutines run concurrently; the
 learner awaits `next_batch()` (blocks until its slot is complete) and calls `sync_weights`. `close()`
 cancels what is in flight (the engine aborts those requests) and waits for it to unwind.
+
+`total_batches` stops admission after the last slot the learner will consume (no generation is
+wasted at the end of a run). `saturate=True` is the stress-test mode of `vcpo bench staleness`:
+`next_batch()` first waits until every group the bound admits at the current version has been
+generated, so the engine is always the full `k` batches ahead and each batch's lag is exactly
+`min(k, b)` whatever the relative speed of engine and learner (otherwise the realised lag depends
+on which side is faster, and a fast learner never sees a large lag).
 """
 
 from __future__ import annotations
@@ -90,6 +97,8 @@ class RolloutManager:
         max_concurrent_groups: int,
         max_attempts: int = 3,
         fatal_errors: tuple[type[BaseException], ...] = (EngineUnavailable,),
+        total_batches: int | None = None,
+        saturate: bool = False,
     ) -> None:
         if groups_per_batch < 1 or max_lag < 0 or max_concurrent_groups < 1:
             raise ValueError(
@@ -102,6 +111,10 @@ class RolloutManager:
         self.max_lag = max_lag
         self.max_concurrent_groups = max_concurrent_groups
         self.max_attempts = max_attempts
+        self.total_batches = total_batches
+        """Batch slots the learner will consume; None = unbounded (admit forever)."""
+        self.saturate = saturate
+        """Stress mode: next_batch waits until everything admissible at this version is generated."""
         self.fatal_errors = fatal_errors
         """Errors that stop the run at once (a dead engine or sandbox), not retried with new prompts."""
         self.counters = RolloutCounters()
@@ -152,6 +165,9 @@ class RolloutManager:
         """The groups of the next batch slot, ordered by group index (waits until all are done)."""
         batch = self._next_batch_index
         async with self._changed:
+            if self.saturate:  # the pipeline full: nothing in flight, nothing more admissible
+                await self._changed.wait_for(
+                    lambda: self._failure is not None or (not self._in_flight and not self._can_admit()))
             await self._changed.wait_for(
                 lambda: self._failure is not None
                 or len(self._completed.get(batch, ())) >= self.groups_per_batch
@@ -199,6 +215,8 @@ class RolloutManager:
         if self._retry:
             return True
         batch = self._next_group_index // self.groups_per_batch
+        if self.total_batches is not None and batch >= self.total_batches:
+            return False  # past the last slot the learner consumes
         return batch - self.max_lag <= self._version  # lag bound: b − v_start ≤ b − v ≤ k
 
     async def _admit_forever(self) -> None:

@@ -111,3 +111,50 @@ def make_tiny_model_dir(out_dir: Path, spec: TinyModelSpec | None = None) -> Pat
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def teach_tiny_model(
+    model_dir: Path,
+    examples: list[tuple[list[int], list[int]]],
+    *,
+    steps: int,
+    lr: float = 3e-3,
+    seed: int = 0,
+    stop_loss: float | None = None,
+) -> float:
+    """Supervised-train the model in `model_dir` in place: full-batch Adam on (prompt ids, completion
+    ids) pairs, loss on completion tokens only; returns the last loss. One CPU thread (a tiny model
+    only spins more). Used to pre-teach tiny models whose outputs must mean something."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    width = max(len(prompt) + len(completion) for prompt, completion in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    attention = torch.zeros(len(examples), width, dtype=torch.long)
+    for row, (prompt, completion) in enumerate(examples):
+        sequence = prompt + completion
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        labels[row, len(prompt): len(sequence)] = torch.tensor(completion)
+        attention[row, : len(sequence)] = 1
+    model = AutoModelForCausalLM.from_pretrained(model_dir).train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    loss_value = float("nan")
+    try:
+        for _ in range(steps):
+            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            loss_value = loss.item()
+            if stop_loss is not None and loss_value < stop_loss:
+                break
+    finally:
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(generator_state)
+    model.eval().save_pretrained(model_dir, safe_serialization=True)
+    return loss_value

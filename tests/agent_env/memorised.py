@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from rollout.tiny import TinyModelSpec, build_byte_tokenizer, make_tiny_model_dir
+from agent_env.prompts import render_prompt_ids
+from rollout.tiny import TinyModelSpec, build_byte_tokenizer, make_tiny_model_dir, teach_tiny_model
 
 SYSTEM = "Use python."
 QUESTION = "What is 6*7?"
@@ -27,32 +26,10 @@ def episode_text() -> str:
 
 def make_memorised_model_dir(out_dir: Path, steps: int = 400) -> Path:
     """Write the tiny model trained to continue the chat prompt with `episode_text()` + EOS."""
-    from transformers import AutoModelForCausalLM
-
     make_tiny_model_dir(out_dir, TinyModelSpec(hidden_size=96, intermediate_size=192, seed=1))
     tokenizer = build_byte_tokenizer()
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
-        add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    prompt = render_prompt_ids(tokenizer, [{"role": "system", "content": SYSTEM},
+                                           {"role": "user", "content": QUESTION}])
     completion = [*tokenizer.encode(episode_text(), add_special_tokens=False), tokenizer.eos_token_id]
-    ids = torch.tensor([prompt + completion])
-    labels = ids.clone()
-    labels[0, : len(prompt)] = -100
-    model = AutoModelForCausalLM.from_pretrained(out_dir).train()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: extra threads only spin (and fight a busy neighbour)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    torch.manual_seed(0)
-    try:
-        for _ in range(steps):
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            if loss.item() < 1e-3:
-                break
-    finally:
-        torch.set_num_threads(threads)
-    model.eval().save_pretrained(out_dir, safe_serialization=True)
+    teach_tiny_model(out_dir, [(prompt, completion)], steps=steps, lr=3e-3, stop_loss=1e-3)
     return out_dir

@@ -115,6 +115,19 @@ def test_cli_plot_of_an_empty_run_dir_exits_2(tmp_path: Path, capsys: pytest.Cap
     assert "no metrics in" in capsys.readouterr().err
 
 
+def test_cli_plot_of_several_runs_writes_one_comparison(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    for seed in (0, 1):
+        write_synthetic_run(tmp_path / f"run{seed}", num_steps=12, seed=seed)
+    out = tmp_path / "both.png"
+    assert main(["plot", str(tmp_path / "run0"), str(tmp_path / "run1"), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert _is_png(out)
+    (tmp_path / "empty").mkdir()
+    assert main(["plot", str(tmp_path / "run0"), str(tmp_path / "empty"), "--out", str(out)]) == 2
+    assert "no metrics in" in capsys.readouterr().err
+
+
 # --- Progress line ----------------------------------------------------------------------------
 
 FULL_METRICS = {

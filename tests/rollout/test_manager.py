@@ -66,6 +66,30 @@ async def test_lag_never_exceeds_the_bound_under_random_delays(max_lag: int) -> 
         assert max(flat) >= 1  # the pipeline actually overlapped generation with training
 
 
+@pytest.mark.parametrize("max_lag", [0, 2, 5])
+async def test_saturate_makes_every_lag_exactly_the_bound_even_with_a_slow_engine(max_lag: int) -> None:
+    # a slow engine (10 ms per token) and a fast learner: without saturation lags stay near 0
+    async with ScriptedEngine(token_delay_s=0.01) as engine:
+        manager = RolloutManager(engine, _group_runner(engine, seed=max_lag), groups_per_batch=2,
+                                 max_lag=max_lag, max_concurrent_groups=100, saturate=True,
+                                 total_batches=8)
+        async with manager:
+            lags = await _train(manager, engine, steps=8)
+            state = manager.state()
+    assert [set(batch) for batch in lags] == [{min(max_lag, step)} for step in range(8)]
+    assert state["next_group_index"] == 16  # total_batches: nothing admitted past the last slot
+
+
+async def test_total_batches_stops_admission_after_the_last_slot() -> None:
+    async with ScriptedEngine(token_delay_s=0.0) as engine:
+        manager = RolloutManager(engine, _group_runner(engine, 0), groups_per_batch=2, max_lag=4,
+                                 max_concurrent_groups=100, total_batches=3)
+        async with manager:
+            await asyncio.sleep(0.2)
+            state = manager.state()
+    assert state["next_group_index"] == 6
+
+
 async def test_admitted_but_unconsumed_groups_never_exceed_the_buffer_bound() -> None:
     async with ScriptedEngine(token_delay_s=0.0) as engine:
         manager = RolloutManager(engine, _group_runner(engine, 0), groups_per_batch=2, max_lag=1,
