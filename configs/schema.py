@@ -374,13 +374,13 @@ class StalenessBenchConfig(StrictModel):
     """Prompts per step."""
     group_size: int = Field(8, ge=2)
     """Samples per prompt."""
-    max_operand: int = Field(9, ge=1, le=99)
+    max_operand: int = Field(4, ge=1, le=99)
     """The task: 'a+b=' for a, b in 0..max_operand; reward 1 for the exact sum."""
-    pretrain_correct_frac: float = Field(0.3, gt=0, lt=1)
-    """Pre-teaching mixes the right sum (this share) with wrong sums, so RL starts from a policy that
-    is right about this often and has room to learn."""
-    pretrain_steps: int = Field(300, ge=1)
-    """Full-batch Adam steps of the pre-teaching."""
+    pretrain_success: float = Field(0.3, gt=0, lt=1)
+    """Pre-teaching (supervised, on the right sums) stops once the policy's exact success probability
+    reaches this, so RL starts from a policy that is right this often and has room to learn."""
+    pretrain_steps: int = Field(2000, ge=1)
+    """Most full-batch Adam steps of the pre-teaching."""
     hidden_size: int = Field(64, ge=8)
     """Width of the tiny Llama policy."""
     num_layers: int = Field(2, ge=1)
@@ -391,7 +391,7 @@ class StalenessBenchConfig(StrictModel):
     """A run has collapsed at the first step whose trailing-10-step reward falls below this share of
     its first 10 steps' reward (or whose loss / grad norm is not finite)."""
     lr_grid: list[Annotated[float, Field(gt=0)]] = Field(
-        default_factory=lambda: [3e-4, 1e-3, 3e-3, 1e-2])
+        default_factory=lambda: [1e-4, 3e-4, 1e-3, 3e-3])
     """Learning rates tried by `mode: lr_sweep`."""
     sweep_seed: int = 1000
     """Seed of the lr sweep (not one of `seeds`, so the lr is not chosen on the reported runs)."""

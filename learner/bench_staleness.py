@@ -6,9 +6,9 @@ allows, independent of how fast engine and learner are), the HF engine, the agen
 the torch learner with the method's objective and step-size rule, weight sync by version.
 
 The policy is a tiny byte-level Llama *pre-taught* on the task "a+b=" (a, b in 0..max_operand):
-supervised on a mix where the right sum is the completion `pretrain_correct_frac` of the time and a
-wrong sum otherwise, so RL starts from a policy that is right ~30% of the time and can reach ~100%
-in a few dozen steps — fast enough for k to matter. Reward: 1 for exactly the sum, else 0.
+supervised on the right sums and stopped once its exact success probability reaches
+`pretrain_success` (0.3), so RL starts from a policy that knows the format and leans towards the
+answer, and can reach ~100% within the run — the policy moves fast enough for k to matter. Reward: 1 for exactly the sum, else 0.
 
 Per run we record the curves of `metrics.jsonl` (training reward, ESS ratio, lr scale, grad norm,
 clipped and masked token fractions, lag) and the final policy's exact success probability: the
@@ -30,7 +30,6 @@ import json
 import math
 import multiprocessing
 import os
-import random
 import shutil
 import statistics
 import time
@@ -71,7 +70,7 @@ def _problems(bench: StalenessBenchConfig) -> list[tuple[int, int]]:
 
 
 def _fingerprint(bench: StalenessBenchConfig) -> str:
-    fields = ("max_operand", "pretrain_correct_frac", "pretrain_steps", "hidden_size", "num_layers")
+    fields = ("max_operand", "pretrain_success", "pretrain_steps", "hidden_size", "num_layers")
     text = json.dumps({name: getattr(bench, name) for name in fields}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -102,53 +101,58 @@ def prepare(bench: StalenessBenchConfig, root: Path) -> tuple[Path, Path]:
 
 
 def _pretrain(bench: StalenessBenchConfig, model_dir: Path) -> None:
-    from agent_env.prompts import render_prompt_ids
-    from rollout.tiny import TinyModelSpec, build_byte_tokenizer, make_tiny_model_dir, teach_tiny_model
+    """Supervised training on the right sums, stopped as soon as the policy's exact success
+    probability reaches `pretrain_success` (checked after every step): a policy that knows the format
+    and leans towards the right answer without being sure of it — where RL starts in practice."""
+    from rollout.tiny import TinyModelSpec, make_tiny_model_dir, teach_tiny_model
 
     tmp = model_dir.with_name(model_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     make_tiny_model_dir(tmp, TinyModelSpec(hidden_size=bench.hidden_size, num_layers=bench.num_layers,
                                            intermediate_size=2 * bench.hidden_size, seed=0))
-    tokenizer = build_byte_tokenizer()
-    rng = random.Random(0)
-    copies = 10
-    right = round(bench.pretrain_correct_frac * copies)
-    largest = 2 * bench.max_operand
-    examples = []
-    for a, b in _problems(bench):
-        prompt = render_prompt_ids(tokenizer, [{"role": "user", "content": _prompt_text(a, b)}])
-        wrong = [s for s in range(largest + 1) if s != a + b]
-        for copy in range(copies):
-            answer = a + b if copy < right else rng.choice(wrong)
-            examples.append((prompt, [*tokenizer.encode(str(answer), add_special_tokens=False),
-                                      tokenizer.eos_token_id]))
-    teach_tiny_model(tmp, examples, steps=bench.pretrain_steps, lr=3e-3)
+    examples = _answer_examples(bench)
+    teach_tiny_model(tmp, examples, steps=bench.pretrain_steps, lr=3e-3, check_every=1,
+                     until=lambda model: _success(model, examples) >= bench.pretrain_success)
     shutil.rmtree(model_dir, ignore_errors=True)
     os.replace(tmp, model_dir)
+
+
+def _answer_examples(bench: StalenessBenchConfig) -> list[tuple[list[int], list[int]]]:
+    """(chat prompt ids, right sum + end-of-turn ids) for every problem."""
+    from agent_env.prompts import render_prompt_ids
+    from rollout.tiny import build_byte_tokenizer
+
+    tokenizer = build_byte_tokenizer()
+    return [(render_prompt_ids(tokenizer, [{"role": "user", "content": _prompt_text(a, b)}]),
+             [*tokenizer.encode(str(a + b), add_special_tokens=False), tokenizer.eos_token_id])
+            for a, b in _problems(bench)]
+
+
+def _success(model: Any, examples: list[tuple[list[int], list[int]]]) -> float:
+    import torch
+
+    width = max(len(p) + len(c) for p, c in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, (prompt, completion) in enumerate(examples):
+        ids[row, : len(prompt) + len(completion)] = torch.tensor(prompt + completion)
+        attention[row, : len(prompt) + len(completion)] = 1
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits.float(), dim=-1)
+    total = 0.0
+    for row, (prompt, completion) in enumerate(examples):
+        positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
+        total += float(logprobs[row, positions, torch.tensor(completion)].sum().exp())
+    return total / len(examples)
 
 
 def success_probability(model_dir: Path, bench: StalenessBenchConfig) -> float:
     """Mean over all prompts of P(the right sum, then end-of-turn) under the policy in model_dir —
     the exact expected reward of one temperature-1 sample (teacher forcing, no sampling noise)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
-    from agent_env.prompts import render_prompt_ids
-    from rollout.tiny import build_byte_tokenizer
-
-    tokenizer = build_byte_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    total = 0.0
-    problems = _problems(bench)
-    with torch.no_grad():
-        for a, b in problems:
-            prompt = render_prompt_ids(tokenizer, [{"role": "user", "content": _prompt_text(a, b)}])
-            answer = [*tokenizer.encode(str(a + b), add_special_tokens=False), tokenizer.eos_token_id]
-            ids = torch.tensor([prompt + answer])
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].float()
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(answer)[:, None])
-            total += math.exp(float(logprobs.sum()))
-    return total / len(problems)
+    return _success(model, _answer_examples(bench))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -108,3 +108,24 @@ def trajectory_logliks(target_logprobs: Tensor, batch: PackedMicroBatch) -> Tens
     weighted = target_logprobs * batch.target_weights[positions]
     sums = torch.zeros(batch.num_trajectories, dtype=torch.float32, device=weighted.device)
     return sums.index_add(0, batch.token_trajectory[positions], weighted)
+
+
+def packed_target_stats(
+    model: nn.Module, batch: PackedMicroBatch, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """(log π(target), Σ_v π(v)²) at the targets of `batch`, one forward pass, no gradients: the
+    proximal pass of objectives that need full-vocabulary statistics (OTB's logit-gradient energy
+    ‖e_y − π‖² = 1 − 2π(y) + Σ_v π(v)²). Returns two (K,) float32 tensors."""
+    if batch.num_trajectories > 1:
+        check_packing_aware(model)
+    with torch.no_grad():
+        output = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
+                       logits_to_keep=batch.target_positions)
+        logits = output.logits.squeeze(0).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        log_probs = torch.log_softmax(logits, dim=-1)
+        targets = batch.target_ids[batch.target_positions]
+        chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        sum_sq = log_probs.mul(2).exp().sum(dim=-1)
+    return chosen, sum_sq

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from configs.schema import AlgoConfig, OptimConfig
 from learner.algorithm import build_lr_scale_rule, build_objective
-from learner.logprobs import packed_target_logprobs
+from learner.logprobs import packed_target_logprobs, packed_target_stats
 from learner.opob_grad import accumulate_opob_grad_packed, accumulate_opob_grad_per_trajectory
 from learner.packing import (
     PackedMicroBatch,
@@ -99,10 +99,10 @@ class TorchLearner:
         self._check_supported()
 
     def _check_supported(self) -> None:
-        if self.objective.needs_sum_probs_squared or self.objective.needs_entropy:
+        if self.objective.needs_entropy:
             raise ValueError(
-                f"objective '{self.objective.name}' (or entropy_coef > 0) needs full-vocabulary statistics "
-                "the torch learner does not compute yet; use another objective or entropy_coef=0")
+                "entropy_coef > 0 needs the policy's entropy with gradients, which the torch learner does "
+                "not compute yet; set algo.entropy_coef=0")
         if self.objective.needs_grad_norms:
             if getattr(self.objective, "scope", "group") != "group":
                 raise ValueError("algo.objective.opob.scope='minibatch' is not supported by the learner's "
@@ -139,10 +139,15 @@ class TorchLearner:
         group_ids = torch.tensor(list(batch.group_ids), dtype=torch.long, device=self.device)
         lags = torch.tensor(list(batch.lags), dtype=torch.long, device=self.device)
         behavior = [self._behavior(batch.trajectories, mb) for mb in microbatches]
+        sum_sq = None
         with torch.no_grad():
-            old = [self._logprobs(self.model, mb) for mb in microbatches]
+            if self.objective.needs_sum_probs_squared:  # OTB: Σ_v π_old(v)² from the same forward
+                stats = [self._target_stats(mb) for mb in microbatches]
+                old, sum_sq = [lp for lp, _ in stats], [sq for _, sq in stats]
+            else:
+                old = [self._logprobs(self.model, mb) for mb in microbatches]
             ref = [self._logprobs(self.reference, mb) for mb in microbatches] if self.reference else None
-        full = _FullBatch(microbatches, size, old, behavior, ref, self.device)
+        full = _FullBatch(microbatches, size, old, behavior, ref, self.device, sum_sq)
         norms = None
         if self.objective.needs_grad_norms:
             norms = self._vcpo_gradient(full, rewards, group_ids)
@@ -198,6 +203,12 @@ class TorchLearner:
             return torch.zeros(0, device=self.device)
         return packed_target_logprobs(model, mb, temperature=self.temperature)
 
+    def _target_stats(self, mb: PackedMicroBatch) -> tuple[Tensor, Tensor]:
+        if mb.target_positions.numel() == 0:
+            empty = torch.zeros(0, device=self.device)
+            return empty, empty
+        return packed_target_stats(self.model, mb, temperature=self.temperature)
+
     def _objective_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor, lags: Tensor) -> None:
         num_units = full.num_units(self.objective.loss_aggregation)
         for index, mb in enumerate(full.microbatches):
@@ -209,7 +220,8 @@ class TorchLearner:
                 logprobs=pad(self._logprobs(self.model, mb)), old_logprobs=pad(full.old[index]),
                 behavior_logprobs=pad(full.behavior[index]), loss_mask=pad.mask, rewards=rewards[local],
                 group_ids=group_ids[local], lags=lags[local],
-                ref_logprobs=pad(full.ref[index]) if full.ref is not None else None, num_units=num_units)
+                ref_logprobs=pad(full.ref[index]) if full.ref is not None else None, num_units=num_units,
+                sum_probs_squared=pad(full.sum_sq[index]) if full.sum_sq is not None else None)
             self.objective(inputs).loss.backward()
 
     def _vcpo_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor) -> Tensor:
@@ -272,9 +284,10 @@ class _FullBatch:
     """The minibatch's per-micro-batch target tensors, and their (B, T) padded forms."""
 
     def __init__(self, microbatches: list[PackedMicroBatch], size: int, old: list[Tensor],
-                 behavior: list[Tensor], ref: list[Tensor] | None, device: torch.device) -> None:
+                 behavior: list[Tensor], ref: list[Tensor] | None, device: torch.device,
+                 sum_sq: list[Tensor] | None = None) -> None:
         self.microbatches, self.size, self.device = microbatches, size, device
-        self.old, self.behavior, self.ref = old, behavior, ref
+        self.old, self.behavior, self.ref, self.sum_sq = old, behavior, ref, sum_sq
         self.padding = [TargetPadding(mb) for mb in microbatches]
         self.width = max([max(mb.target_counts) for mb in microbatches] + [1])
 
@@ -314,6 +327,7 @@ class _FullBatch:
             behavior_logprobs=self._stack(self.behavior), loss_mask=self.mask, rewards=rewards,
             group_ids=group_ids, lags=lags,
             ref_logprobs=self._stack(self.ref) if self.ref is not None else None,
+            sum_probs_squared=self._stack(self.sum_sq) if self.sum_sq is not None else None,
             seq_sq_grad_norms=norms, num_units=float(self.size) if norms is not None else None)
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -121,10 +123,14 @@ def teach_tiny_model(
     lr: float = 3e-3,
     seed: int = 0,
     stop_loss: float | None = None,
+    until: Callable[[PreTrainedModel], bool] | None = None,
+    check_every: int = 10,
 ) -> float:
     """Supervised-train the model in `model_dir` in place: full-batch Adam on (prompt ids, completion
-    ids) pairs, loss on completion tokens only; returns the last loss. One CPU thread (a tiny model
-    only spins more). Used to pre-teach tiny models whose outputs must mean something."""
+    ids) pairs, loss on completion tokens only; returns the last loss. Stops early when the loss
+    drops below `stop_loss` or when `until(model)` (asked every `check_every` steps, in eval mode
+    without gradients) says so. One CPU thread (a tiny model only spins more). Used to pre-teach
+    tiny models whose outputs must mean something."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -145,7 +151,7 @@ def teach_tiny_model(
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     loss_value = float("nan")
     try:
-        for _ in range(steps):
+        for step in range(steps):
             loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
             loss.backward()
             optimizer.step()
@@ -153,6 +159,12 @@ def teach_tiny_model(
             loss_value = loss.item()
             if stop_loss is not None and loss_value < stop_loss:
                 break
+            if until is not None and (step + 1) % check_every == 0:
+                with torch.no_grad():
+                    done = until(model.eval())
+                model.train()
+                if done:
+                    break
     finally:
         torch.set_num_threads(threads)
         torch.random.set_rng_state(generator_state)

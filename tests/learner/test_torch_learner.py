@@ -98,8 +98,11 @@ def test_vcpo_step_gradient_equals_autograd_of_the_objective_with_exact_norms(
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("objective", ["grpo", "dr_grpo", "rloo", "reinforce", "token_tis", "seq_tis", "mis",
-                                       "m2po", "bapo", "tba", "vcpo"])
+ALL_OBJECTIVES = ["grpo", "dr_grpo", "rloo", "reinforce", "token_tis", "seq_tis", "mis", "m2po", "bapo", "tba",
+                  "otb", "vcpo"]
+
+
+@pytest.mark.parametrize("objective", ALL_OBJECTIVES)
 def test_every_supported_objective_takes_a_finite_step_that_changes_the_weights(objective: str) -> None:
     tokens = random_trajectories(num_groups=2, per_group=4, seed=2)
     trajectories, groups = _as_trajectories(tokens, seed=3)
@@ -111,6 +114,65 @@ def test_every_supported_objective_takes_a_finite_step_that_changes_the_weights(
     assert metrics["staleness/mean"] == 1.0
     assert 0 < metrics["is/ess_ratio"] <= 1.0
     assert any(not torch.equal(b, p) for b, p in zip(before, learner.model.parameters(), strict=True))
+
+
+def _on_policy_group(model: torch.nn.Module, good: list[int], bad: list[int], mask: list[bool]
+                     ) -> list[Trajectory]:
+    """Two rewarded and two unrewarded samples with the model's own log-probs as behaviour."""
+    out = []
+    for i, (ids, reward) in enumerate([(good, 1.0), (bad, 0.0), (bad, 0.0), (good, 1.0)]):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+        lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        behavior = tuple(float(lp[j - 1]) if m else 0.0 for j, m in enumerate(mask))
+        out.append(Trajectory(trajectory_id=f"t{i}", group_id="0", token_ids=tuple(ids), loss_mask=tuple(mask),
+                              behavior_logprobs=behavior, versions=TrajectoryVersions(start=0, end=0),
+                              reward=reward))
+    return out
+
+
+@pytest.mark.parametrize("objective", ALL_OBJECTIVES)
+def test_on_policy_steps_make_the_rewarded_answer_more_likely(objective: str) -> None:
+    # the sign test: whatever else an objective does, ascending it on on-policy samples must raise
+    # the likelihood of the rewarded answer relative to the unrewarded one
+    model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa(), seed=0).train()
+    algo = AlgoConfig.model_validate({"objective": {"type": objective}, "ess_lr": {"enabled": False},
+                                      "group_size": 4})
+    learner = TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=4096)
+    prompt, mask = [5, 6, 7, 8], [False] * 4 + [True] * 3
+    good, bad = [*prompt, 10, 11, 12], [*prompt, 20, 21, 22]
+
+    def margin() -> float:
+        with torch.no_grad():
+            return float(trajectory_loglik(model, TrajectoryTokens(good, mask, group_id=0), "sum")
+                         - trajectory_loglik(model, TrajectoryTokens(bad, mask, group_id=0), "sum"))
+
+    before = margin()
+    for _ in range(3):
+        learner.step(StepInput(_on_policy_group(model, good, bad, mask), [0] * 4, [0] * 4, [True] * 4))
+    assert margin() > before + 0.1
+
+
+def test_otb_statistics_match_a_full_softmax() -> None:
+    from learner.logprobs import packed_target_stats
+    from learner.packing import build_microbatch, plan_microbatches
+
+    model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa(), seed=1)
+    tokens = random_trajectories(num_groups=2, per_group=2, seed=5)
+    plan = plan_microbatches([len(t.token_ids) for t in tokens], [t.group_id for t in tokens], 10_000)
+    mb = build_microbatch(tokens, plan[0], "mean")
+    chosen, sum_sq = packed_target_stats(model, mb)
+    expected_lp, expected_sq = [], []
+    for t in (tokens[i] for i in mb.trajectory_indices.tolist()):
+        with torch.no_grad():
+            probs = torch.softmax(model(input_ids=torch.tensor([list(t.token_ids)]), use_cache=False)
+                                  .logits[0].float(), -1)
+        for pos in range(1, len(t.token_ids)):
+            if t.loss_mask[pos]:
+                expected_lp.append(float(probs[pos - 1, t.token_ids[pos]].log()))
+                expected_sq.append(float((probs[pos - 1] ** 2).sum()))
+    torch.testing.assert_close(chosen, torch.tensor(expected_lp), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sum_sq, torch.tensor(expected_sq), rtol=1e-4, atol=1e-6)
 
 
 def test_untrained_trajectories_contribute_no_gradient() -> None:
