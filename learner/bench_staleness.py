@@ -8,7 +8,8 @@ the torch learner with the method's objective and step-size rule, weight sync by
 The policy is a tiny byte-level Llama *pre-taught* on the task "a+b=" (a, b in 0..max_operand):
 supervised on the right sums and stopped once its exact success probability reaches
 `pretrain_success` (0.3), so RL starts from a policy that knows the format and leans towards the
-answer, and can reach ~100% within the run — the policy moves fast enough for k to matter. Reward: 1 for exactly the sum, else 0.
+answer, and moves quickly under RL (0.31 → 0.75 in 160 on-policy steps at a good lr) — fast
+enough for k to matter. Reward: 1 for exactly the sum, else 0.
 
 Per run we record the curves of `metrics.jsonl` (training reward, ESS ratio, lr scale, grad norm,
 clipped and masked token fractions, lag) and the final policy's exact success probability: the

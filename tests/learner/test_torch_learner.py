@@ -98,8 +98,8 @@ def test_vcpo_step_gradient_equals_autograd_of_the_objective_with_exact_norms(
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
-ALL_OBJECTIVES = ["grpo", "dr_grpo", "rloo", "reinforce", "token_tis", "seq_tis", "mis", "m2po", "bapo", "tba",
-                  "otb", "vcpo"]
+ALL_OBJECTIVES = ["grpo", "dr_grpo", "rloo", "reinforce", "token_tis", "seq_tis", "mis", "m2po", "bapo",
+                  "tba", "otb", "vcpo"]
 
 
 @pytest.mark.parametrize("objective", ALL_OBJECTIVES)
@@ -125,8 +125,8 @@ def _on_policy_group(model: torch.nn.Module, good: list[int], bad: list[int], ma
             logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
         lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
         behavior = tuple(float(lp[j - 1]) if m else 0.0 for j, m in enumerate(mask))
-        out.append(Trajectory(trajectory_id=f"t{i}", group_id="0", token_ids=tuple(ids), loss_mask=tuple(mask),
-                              behavior_logprobs=behavior, versions=TrajectoryVersions(start=0, end=0),
+        out.append(Trajectory(trajectory_id=f"t{i}", group_id="0", token_ids=tuple(ids),
+                              loss_mask=tuple(mask), behavior_logprobs=behavior, versions=TrajectoryVersions(start=0, end=0),
                               reward=reward))
     return out
 
