@@ -126,8 +126,8 @@ def _on_policy_group(model: torch.nn.Module, good: list[int], bad: list[int], ma
         lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
         behavior = tuple(float(lp[j - 1]) if m else 0.0 for j, m in enumerate(mask))
         out.append(Trajectory(trajectory_id=f"t{i}", group_id="0", token_ids=tuple(ids),
-                              loss_mask=tuple(mask), behavior_logprobs=behavior, versions=TrajectoryVersions(start=0, end=0),
-                              reward=reward))
+                              loss_mask=tuple(mask), behavior_logprobs=behavior,
+                              versions=TrajectoryVersions(start=0, end=0), reward=reward))
     return out
 
 
