@@ -340,6 +340,8 @@ def summary_table(bench: StalenessBenchConfig, rows: list[dict[str, Any]]) -> li
                             "max_grad_norm", "clip_frac_mean", "masked_frac_mean", "mean_lag"):
                     values = [r[key] for r in good if r.get(key) is not None]
                     entry[key] = statistics.fmean(values) if values else None
+                finals = [r["final_success"] for r in good]
+                entry["final_success_sd"] = statistics.stdev(finals) if len(finals) > 1 else None
                 collapsed = [r["collapse_step"] for r in good if r["collapse_step"] is not None]
                 entry["collapsed_runs"] = len(collapsed)
                 entry["collapse_step_min"] = min(collapsed) if collapsed else None
@@ -355,6 +357,13 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return str(value)
 
 
+def _mean_sd(entry: dict[str, Any]) -> str:
+    if entry["status"] != "ok":
+        return entry["status"]
+    sd = entry.get("final_success_sd")
+    return _fmt(entry["final_success"], ".2f") + (f" ± {sd:.2f}" if sd is not None else "")
+
+
 def format_summary(result: dict[str, Any]) -> str:
     """Markdown: the summary table (matrix) or the lr sweep's table and choices."""
     lines = [f"initial policy success probability: {result['initial_success']:.3f}", ""]
@@ -365,6 +374,17 @@ def format_summary(result: dict[str, Any]) -> str:
                          f"{_fmt(row.get('reward_last10'))} |")
         lines += ["", "chosen: " + ", ".join(f"{m}={lr:g}" for m, lr in result["chosen_lr"].items())]
         return "\n".join(lines) + "\n"
+    lags = sorted({e["lag"] for e in result["summary"]})
+    methods = list(dict.fromkeys(e["method"] for e in result["summary"]))
+    cell = {(e["method"], e["lag"]): e for e in result["summary"]}
+    lines += ["Final policy's success probability, mean ± sd over seeds (the pre-taught policy's is above):",
+              "",
+              "| method | " + " | ".join(f"k={lag}" for lag in lags) + " |",
+              "|---|" + "---|" * len(lags)]
+    for method in methods:
+        values = [cell[(method, lag)] for lag in lags]
+        lines.append(f"| {method} | " + " | ".join(_mean_sd(e) for e in values) + " |")
+    lines += ["", "Per (method, k): means over seeds.", ""]
     lines += ["| method | k | lr | final success | reward first→last 10 | collapsed runs (first step) | "
               "min ESS ratio | max grad norm | clipped frac | masked frac |",
               "|---|---|---|---|---|---|---|---|---|---|"]

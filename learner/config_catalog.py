@@ -36,7 +36,7 @@ def _tool_spec(path: Path) -> Any:
         raise ConfigError(str(path), [str(exc)]) from None
 
 
-_BENCH_SCHEMAS: dict[str, type] = {"opob": OpobBenchConfig, "async": AsyncBenchConfig,
+BENCH_SCHEMAS: dict[str, type] = {"opob": OpobBenchConfig, "async": AsyncBenchConfig,
                                    "engine": EngineBenchConfig, "sandbox": SandboxBenchConfig,
                                    "staleness": StalenessBenchConfig}
 """configs/bench/<name>.yaml → the schema of `vcpo bench <name>`."""
@@ -61,7 +61,7 @@ def check_task_config(path: str | Path, overrides: Sequence[str] = ()) -> TaskCo
 
 
 _VALIDATORS: dict[str, Callable[[Path], Any]] = {
-    "bench": lambda path: load_config(path, _BENCH_SCHEMAS.get(path.stem, OpobBenchConfig)),
+    "bench": lambda path: load_config(path, BENCH_SCHEMAS.get(path.stem, OpobBenchConfig)),
     "sandbox": lambda path: load_config(path, SandboxServerSettings),
     "tasks": check_task_config,
     "tools": _tool_spec,

@@ -16,7 +16,7 @@ _NAMED = [  # `path`, --config path, [text](path)
 ]
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/RESULTS.md"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/results.md"])
 def test_named_paths_exist(doc: str) -> None:
     text = (ROOT / doc).read_text()
     named = {path for pattern in _NAMED for path in pattern.findall(text)}
