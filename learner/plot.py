@@ -317,10 +317,12 @@ def plot_compare(run_dirs: Sequence[Path], out: Path) -> Path:
                 values = _moving_average(values, 3)
             axes.plot(run.steps, values, marker=run.marker, label=run_dir.name)
             axes.set_title(title)
-    for axes in grid.flat:
+    for axes, (key, _) in zip(grid.flat, COMPARE_PANELS, strict=True):
         _step_axis(axes)
         axes.grid(True, alpha=0.3)
         axes.legend(loc="best", fontsize=8)
+        if key in (IS_ESS_RATIO, LR_SCALE):  # ratios in [0, 1]: no offset axis for 1 − 1e-7 noise
+            axes.set_ylim(0, 1.05)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, format="png")
