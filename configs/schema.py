@@ -467,6 +467,21 @@ class LearnerConfig(StrictModel):
     135M fp32 model). VCPO splits groups across micro-batches; other objectives keep groups whole."""
 
 
+class WarmStartConfig(StrictModel):
+    """Cold-start SFT before RL on solver-written tool episodes (learner/warm_start.py; Countdown tasks)."""
+
+    enabled: bool = False
+    """Run the warm start (cached: a rerun with the same settings reuses the model)."""
+    examples: int = Field(256, ge=1)
+    """Demonstrations, taken from the end of the training set (RL starts at its beginning)."""
+    epochs: int = Field(2, ge=1)
+    """Passes over the demonstrations."""
+    lr: float = Field(5e-5, gt=0)
+    """AdamW learning rate of the SFT."""
+    batch_size: int = Field(8, ge=1)
+    """Demonstrations per SFT step (padded; ~300 tokens each for Countdown)."""
+
+
 class TrainerConfig(StrictModel):
     """The training loop: length, checkpoints, logging."""
 
@@ -511,3 +526,5 @@ class RunConfig(StrictModel):
     """The learner backend."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     """Loop length, checkpoints, logging."""
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    """Optional cold-start SFT before RL (off by default)."""
