@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,8 @@ from learner.compose import task_runtime
 from learner.torch_learner import TorchLearner
 from learner.trainer import TrainSummary, train
 from learner.varlen_attention import register_varlen_sdpa
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,7 +53,8 @@ async def run_training(
         from learner.warm_start import run_warm_start
 
         samples = load_samples(task, which="train", task_dir=task_path.parent).samples
-        warm = run_warm_start(config, task, samples, cache_dir)
+        report = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else log.info
+        warm = run_warm_start(config, task, samples, cache_dir, report)
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(warm)})})
     resolved = resolve_model(config.model.path, cache_dir)
     tokenizer = load_tokenizer(config.model.path, cache_dir)

@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +95,10 @@ def warm_start_dir(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Path
     return cache_dir / "warm_start" / key
 
 
-def run_warm_start(config: RunConfig, task: TaskConfig, samples: list[Sample], cache_dir: Path) -> Path:
-    """The warm-started model directory (trained now, or the cached one)."""
+def run_warm_start(config: RunConfig, task: TaskConfig, samples: list[Sample], cache_dir: Path,
+                   report: Callable[[str], None] = log.info) -> Path:
+    """The warm-started model directory (trained now, or the cached one); `report` gets a progress
+    line every 8 SFT steps."""
     from rollout.models import load_causal_lm, load_tokenizer
 
     out_dir = warm_start_dir(config, task, cache_dir)
@@ -135,9 +138,13 @@ def run_warm_start(config: RunConfig, task: TaskConfig, samples: list[Sample], c
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
+            if len(losses) % 8 == 0:
+                total = settings.epochs * -(-len(order) // settings.batch_size)
+                report(f"[warm start] step {len(losses)}/{total}, loss {losses[-1]:.3f}, "
+                       f"{time.perf_counter() - started:.0f} s")
         batches = -(-len(order) // settings.batch_size)
-        log.info("warm start: epoch %d/%d, mean loss %.3f", epoch + 1, settings.epochs,
-                 sum(losses[-batches:]) / batches)
+        mean = sum(losses[-batches:]) / batches
+        report(f"[warm start] epoch {epoch + 1}/{settings.epochs}: mean loss {mean:.3f}")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.eval().save_pretrained(tmp, safe_serialization=True)

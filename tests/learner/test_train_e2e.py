@@ -161,7 +161,7 @@ def test_default_model_trains_on_the_shipped_countdown_task(tmp_path: Path, defa
     run_dir = tmp_path / "run"
     result = _vcpo("train", "configs/default.yaml", "--no-progress", f"run_dir={run_dir}",
                    f"model.path={default_model_dir}", "trainer.total_steps=2", "rollout.max_lag=1",
-                   "rollout.groups_per_step=1", "algo.group_size=4",
+                   "rollout.groups_per_step=1", "algo.group_size=4", "warm_start.enabled=false",
                    "task_overrides=[loop.max_turns=1, loop.max_total_tokens=384, "
                    "loop.max_new_tokens_per_turn=96, reward.format_score=0.1]", timeout=850)
     assert result.returncode == 0, result.stderr[-3000:]
