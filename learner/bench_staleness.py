@@ -39,6 +39,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from configs.schema import RunConfig, StalenessBenchConfig, StalenessMethodConfig
 from learner import metric_names as names
 
@@ -59,7 +61,6 @@ CURVE_KEYS = {
 """Curve name in the JSON → metrics.jsonl key."""
 
 _TASK_NAME = "addition"
-_SYSTEM = None
 
 
 def _prompt_text(a: int, b: int) -> str:
@@ -92,8 +93,6 @@ def prepare(bench: StalenessBenchConfig, root: Path) -> tuple[Path, Path]:
         "reward": {"type": "exact_match"},
     }
     task_path = root / "task.yaml"
-    import yaml
-
     task_path.write_text(yaml.safe_dump(task, sort_keys=False))
     model_dir = root / f"policy0-{_fingerprint(bench)}"
     if not (model_dir / "config.json").is_file():
@@ -111,9 +110,9 @@ def _pretrain(bench: StalenessBenchConfig, model_dir: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     make_tiny_model_dir(tmp, TinyModelSpec(hidden_size=bench.hidden_size, num_layers=bench.num_layers,
                                            intermediate_size=2 * bench.hidden_size, seed=0))
-    examples = _answer_examples(bench)
-    teach_tiny_model(tmp, examples, steps=bench.pretrain_steps, lr=3e-3, check_every=1,
-                     until=lambda model: _success(model, examples) >= bench.pretrain_success)
+    batch = _answer_batch(bench)  # built once, scored after every step
+    teach_tiny_model(tmp, _answer_examples(bench), steps=bench.pretrain_steps, lr=3e-3, check_every=1,
+                     until=lambda model: _success(model, batch) >= bench.pretrain_success)
     shutil.rmtree(model_dir, ignore_errors=True)
     os.replace(tmp, model_dir)
 
@@ -129,22 +128,25 @@ def _answer_examples(bench: StalenessBenchConfig) -> list[tuple[list[int], list[
             for a, b in _problems(bench)]
 
 
-def _success(model: Any, examples: list[tuple[list[int], list[int]]]) -> float:
+def _answer_batch(bench: StalenessBenchConfig) -> tuple[Any, Any, Any]:
+    """Every problem's (prompt + right sum + end-of-turn) as one padded batch, the answer as labels."""
+    from rollout.tiny import padded_sft_batch
+
+    return padded_sft_batch([(prompt + answer, [False] * len(prompt) + [True] * len(answer))
+                             for prompt, answer in _answer_examples(bench)])
+
+
+def _success(model: Any, batch: tuple[Any, Any, Any]) -> float:
+    """Mean over rows of P(labelled tokens | the rest): exp of each row's summed label log-probs."""
     import torch
 
-    width = max(len(p) + len(c) for p, c in examples)
-    ids = torch.zeros(len(examples), width, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    for row, (prompt, completion) in enumerate(examples):
-        ids[row, : len(prompt) + len(completion)] = torch.tensor(prompt + completion)
-        attention[row, : len(prompt) + len(completion)] = 1
+    ids, attention, labels = batch
     with torch.no_grad():
-        logprobs = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits.float(), dim=-1)
-    total = 0.0
-    for row, (prompt, completion) in enumerate(examples):
-        positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
-        total += float(logprobs[row, positions, torch.tensor(completion)].sum().exp())
-    return total / len(examples)
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    targets = labels[:, 1:]
+    picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (targets != -100)
+    return float(picked.sum(dim=1).exp().mean())
 
 
 def success_probability(model_dir: Path, bench: StalenessBenchConfig) -> float:
@@ -153,7 +155,7 @@ def success_probability(model_dir: Path, bench: StalenessBenchConfig) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    return _success(model, _answer_examples(bench))
+    return _success(model, _answer_batch(bench))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +237,7 @@ def summarize_curves(curves: dict[str, list[float | None]], collapse_fraction: f
         if bad or (step + 1 >= WINDOW and statistics.fmean(trailing) < collapse_fraction * first):
             collapse = step + 1
             break
-    ess, grad = finite("ess_ratio"), finite("grad_norm")
+    ess, grad, lags = finite("ess_ratio"), finite("grad_norm"), finite("lag")
     clip, masked = finite("clip_frac"), finite("masked_frac")
     return {
         "reward_first10": first,
@@ -245,7 +247,7 @@ def summarize_curves(curves: dict[str, list[float | None]], collapse_fraction: f
         "max_grad_norm": max(grad) if grad else None,
         "clip_frac_mean": statistics.fmean(clip) if clip else None,
         "masked_frac_mean": statistics.fmean(masked) if masked else None,
-        "mean_lag": statistics.fmean(finite("lag")) if finite("lag") else None,
+        "mean_lag": statistics.fmean(lags) if lags else None,
     }
 
 

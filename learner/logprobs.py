@@ -79,6 +79,13 @@ def packed_target_logprobs(
     sampling temperature T of the behaviour policy; log-probs are of softmax(logits / T), as the
     engines report them.
     """
+    logits = _target_logits(model, batch, inputs_embeds, temperature)
+    return token_logprobs(logits, batch.target_ids[batch.target_positions])
+
+
+def _target_logits(model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Tensor | None,
+                   temperature: float) -> Tensor:
+    """(K, V) logits / T at the target positions of `batch`, from one packed forward."""
     if batch.num_trajectories > 1:  # a single sequence is isolated by any causal attention
         check_packing_aware(model)
     token_inputs = (
@@ -94,9 +101,7 @@ def packed_target_logprobs(
     )
     # squeeze, not [0]: select's backward would allocate and copy a zero (1, K, V) gradient.
     logits = output.logits.squeeze(0)
-    if temperature != 1.0:
-        logits = logits / temperature
-    return token_logprobs(logits, batch.target_ids[batch.target_positions])
+    return logits / temperature if temperature != 1.0 else logits
 
 
 def trajectory_logliks(target_logprobs: Tensor, batch: PackedMicroBatch) -> Tensor:
@@ -116,14 +121,8 @@ def packed_target_stats(
     """(log π(target), Σ_v π(v)²) at the targets of `batch`, one forward pass, no gradients: the
     proximal pass of objectives that need full-vocabulary statistics (OTB's logit-gradient energy
     ‖e_y − π‖² = 1 − 2π(y) + Σ_v π(v)²). Returns two (K,) float32 tensors."""
-    if batch.num_trajectories > 1:
-        check_packing_aware(model)
     with torch.no_grad():
-        output = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False,
-                       logits_to_keep=batch.target_positions)
-        logits = output.logits.squeeze(0).float()
-        if temperature != 1.0:
-            logits = logits / temperature
+        logits = _target_logits(model, batch, None, temperature).float()
         log_probs = torch.log_softmax(logits, dim=-1)
         targets = batch.target_ids[batch.target_positions]
         chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

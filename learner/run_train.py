@@ -49,12 +49,10 @@ async def run_training(
     from rollout.models import load_tokenizer, resolve_model
 
     if config.warm_start.enabled:  # cold-start SFT first (cached); RL then starts from that model
-        from agent_env.datasets import load_samples
         from learner.warm_start import run_warm_start
 
-        samples = load_samples(task, which="train", task_dir=task_path.parent).samples
         report = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else log.info
-        warm = run_warm_start(config, task, samples, cache_dir, report)
+        warm = run_warm_start(config, task, task_path, cache_dir, report)
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(warm)})})
     resolved = resolve_model(config.model.path, cache_dir)
     tokenizer = load_tokenizer(config.model.path, cache_dir)

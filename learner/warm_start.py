@@ -39,6 +39,7 @@ from agent_env.samples import Sample
 from agent_env.turns import format_observation
 from configs.schema import RunConfig, WarmStartConfig
 from configs.task_schema import TaskConfig
+from rollout.tiny import padded_sft_batch
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +96,11 @@ def warm_start_dir(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Path
     return cache_dir / "warm_start" / key
 
 
-def run_warm_start(config: RunConfig, task: TaskConfig, samples: list[Sample], cache_dir: Path,
+def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_dir: Path,
                    report: Callable[[str], None] = log.info) -> Path:
-    """The warm-started model directory (trained now, or the cached one); `report` gets a progress
-    line every 8 SFT steps."""
+    """The warm-started model directory (trained now, or the cached one — then the training set is
+    not even loaded); `report` gets a progress line every 8 SFT steps."""
+    from agent_env.datasets import load_samples
     from rollout.models import load_causal_lm, load_tokenizer
 
     out_dir = warm_start_dir(config, task, cache_dir)
@@ -107,6 +109,7 @@ def run_warm_start(config: RunConfig, task: TaskConfig, samples: list[Sample], c
         return out_dir
     settings: WarmStartConfig = config.warm_start
     tokenizer = load_tokenizer(config.model.path, cache_dir)
+    samples = load_samples(task, which="train", task_dir=task_path.parent).samples
     examples = demonstrations(task, samples, tokenizer, settings.examples, config.seed)
     if not examples:
         raise ValueError("warm_start: the solver found no demonstration among the training samples")
@@ -117,20 +120,13 @@ def run_warm_start(config: RunConfig, task: TaskConfig, samples: list[Sample], c
     generator = random.Random(config.seed)
     started = time.perf_counter()
     losses: list[float] = []
+    batches = -(-len(examples) // settings.batch_size)  # per epoch
     for epoch in range(settings.epochs):
         order = list(range(len(examples)))
         generator.shuffle(order)
         for first in range(0, len(order), settings.batch_size):
             batch = [examples[i] for i in order[first: first + settings.batch_size]]
-            width = max(len(ids) for ids, _ in batch)
-            ids = torch.full((len(batch), width), tokenizer.pad_token_id or 0, dtype=torch.long)
-            labels = torch.full((len(batch), width), -100, dtype=torch.long)
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, (tokens, mask) in enumerate(batch):
-                ids[row, : len(tokens)] = torch.tensor(tokens)
-                attention[row, : len(tokens)] = 1
-                targets = [token if trained else -100 for token, trained in zip(tokens, mask, strict=True)]
-                labels[row, : len(tokens)] = torch.tensor(targets)
+            ids, attention, labels = padded_sft_batch(batch, tokenizer.pad_token_id or 0)
             loss = model(input_ids=ids.to(device), attention_mask=attention.to(device),
                          labels=labels.to(device)).loss
             loss.backward()
@@ -139,10 +135,8 @@ def run_warm_start(config: RunConfig, task: TaskConfig, samples: list[Sample], c
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
             if len(losses) % 8 == 0:
-                total = settings.epochs * -(-len(order) // settings.batch_size)
-                report(f"[warm start] step {len(losses)}/{total}, loss {losses[-1]:.3f}, "
+                report(f"[warm start] step {len(losses)}/{settings.epochs * batches}, loss {losses[-1]:.3f}, "
                        f"{time.perf_counter() - started:.0f} s")
-        batches = -(-len(order) // settings.batch_size)
         mean = sum(losses[-batches:]) / batches
         report(f"[warm start] epoch {epoch + 1}/{settings.epochs}: mean loss {mean:.3f}")
     tmp = out_dir.with_name(out_dir.name + ".tmp")

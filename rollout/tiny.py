@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from torch import Tensor
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -115,6 +116,25 @@ def make_tiny_model_dir(out_dir: Path, spec: TinyModelSpec | None = None) -> Pat
     return out_dir
 
 
+def padded_sft_batch(
+    examples: list[tuple[list[int], list[bool]]], pad_id: int = 0
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(input ids, attention mask, labels) of right-padded (token ids, loss mask) rows; labels are
+    the ids where the mask is set and -100 elsewhere (prompt, tool output, padding)."""
+    import torch
+
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(examples), width), dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    for row, (tokens, mask) in enumerate(examples):
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        attention[row, : len(tokens)] = 1
+        targets = [token if trained else -100 for token, trained in zip(tokens, mask, strict=True)]
+        labels[row, : len(tokens)] = torch.tensor(targets)
+    return ids, attention, labels
+
+
 def teach_tiny_model(
     model_dir: Path,
     examples: list[tuple[list[int], list[int]]],
@@ -134,15 +154,9 @@ def teach_tiny_model(
     import torch
     from transformers import AutoModelForCausalLM
 
-    width = max(len(prompt) + len(completion) for prompt, completion in examples)
-    ids = torch.zeros(len(examples), width, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    attention = torch.zeros(len(examples), width, dtype=torch.long)
-    for row, (prompt, completion) in enumerate(examples):
-        sequence = prompt + completion
-        ids[row, : len(sequence)] = torch.tensor(sequence)
-        labels[row, len(prompt): len(sequence)] = torch.tensor(completion)
-        attention[row, : len(sequence)] = 1
+    rows = [(prompt + completion, [False] * len(prompt) + [True] * len(completion))
+            for prompt, completion in examples]
+    ids, attention, labels = padded_sft_batch(rows)
     model = AutoModelForCausalLM.from_pretrained(model_dir).train()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

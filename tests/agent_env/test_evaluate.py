@@ -52,16 +52,22 @@ def _eval(*args: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
-def test_vcpo_eval_runs_the_tool_loop_writes_samples_and_resumes(tmp_path: Path, memorised_dir: Path) -> None:
+def _write_memorised_task(tmp_path: Path, eval_settings: dict) -> Path:
+    """tmp_path/task.yaml: the memorised question ("6*7", answer 42) with the Python tool."""
     (tmp_path / "data.jsonl").write_text(json.dumps({"question": memorised.QUESTION, "answer": "42"}) + "\n")
     task = {"name": "six-times-seven", "dataset": {"type": "file", "path": "data.jsonl"},
             "fields": {"answer": "answer", "template_fields": {"question": "question"}},
             "prompt": {"system": memorised.SYSTEM, "user": "{question}"},
             "tool": {"type": "python", "timeout_s": 10, "warm_pool_size": 0},
-            "loop": {"max_total_tokens": 400}, "reward": {"type": "math_verify"},
-            "eval": {"k": 2, "temperature": 0.0}}
-    (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
+            "loop": {"max_total_tokens": 400}, "reward": {"type": "math_verify"}, "eval": eval_settings}
+    path = tmp_path / "task.yaml"
+    path.write_text(yaml.safe_dump(task))
+    return path
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+def test_vcpo_eval_runs_the_tool_loop_writes_samples_and_resumes(tmp_path: Path, memorised_dir: Path) -> None:
+    _write_memorised_task(tmp_path, {"k": 2, "temperature": 0.0})
     out = tmp_path / "samples.jsonl"
     args = [str(tmp_path / "task.yaml"), "--model", str(memorised_dir), "--backend", "hf", "--out", str(out)]
     first = _eval(*args)
@@ -97,14 +103,7 @@ async def test_vcpo_eval_through_an_openai_compatible_url(tmp_path: Path, memori
     from rollout.hf_engine import HFEngine
     from tests.rollout.standin_servers import OpenAIStandin, serve
 
-    (tmp_path / "data.jsonl").write_text(json.dumps({"question": memorised.QUESTION, "answer": "42"}) + "\n")
-    task = {"name": "six-times-seven", "dataset": {"type": "file", "path": "data.jsonl"},
-            "fields": {"answer": "answer", "template_fields": {"question": "question"}},
-            "prompt": {"system": memorised.SYSTEM, "user": "{question}"},
-            "tool": {"type": "python", "timeout_s": 10, "warm_pool_size": 0},
-            "loop": {"max_total_tokens": 400}, "reward": {"type": "math_verify"},
-            "eval": {"temperature": 0.0}}
-    (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
+    _write_memorised_task(tmp_path, {"temperature": 0.0})
     tokenizer = AutoTokenizer.from_pretrained(memorised_dir)
     out = tmp_path / "samples.jsonl"
     async with HFEngine(memorised_dir) as engine:

@@ -47,16 +47,15 @@ def test_demonstrations_are_correct_tool_episodes_with_masked_prompt_and_observa
 
 def test_warm_start_lowers_the_loss_and_is_cached(tmp_path: Path, tiny_model_dir: Path) -> None:
     task, path = _task()
-    samples = load_samples(task, which="train", task_dir=path.parent).samples
     config = RunConfig.model_validate({"model": {"path": str(tiny_model_dir)}, "task": str(path),
                                        "warm_start": {"enabled": True, "examples": 8, "epochs": 3,
                                                       "lr": 3e-3, "batch_size": 4}})
-    out = run_warm_start(config, task, samples, tmp_path)
+    out = run_warm_start(config, task, path, tmp_path)
     assert out == warm_start_dir(config, task, tmp_path) and (out / "model.safetensors").is_file()
     report = json.loads((out / "warm_start.json").read_text())
     assert report["examples"] == 8 and report["last_loss"] < report["first_loss"]
     stamp = (out / "model.safetensors").stat().st_mtime_ns
-    assert run_warm_start(config, task, samples, tmp_path) == out  # cached: not trained again
+    assert run_warm_start(config, task, path, tmp_path) == out  # cached: not trained again
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
 
 
