@@ -467,6 +467,51 @@ class LearnerConfig(StrictModel):
     135M fp32 model). VCPO splits groups across micro-batches; other objectives keep groups whole."""
 
 
+class RayConfig(StrictModel):
+    """`launcher: ray` (learner/ray_launcher.py): rollout workers, learner ranks and sandbox pools as
+    Ray actors wrapping the same objects as local mode; the rollout manager stays on the driver."""
+
+    address: str | None = None
+    """Cluster to join: None starts a local one on this machine; 'auto' joins the cluster this node
+    belongs to (`ray start --head` / `ray start --address=…` beforehand); 'ray://host:10001' a remote one."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs of a local cluster (None: all cores); ignored when joining one."""
+    rollout_workers: int = Field(1, ge=1)
+    """Rollout actors, each one engine plus its agent loops (and, with sandbox_workers 0, its tool)."""
+    rollout_cpus: float = Field(1.0, ge=0)
+    """CPUs reserved per rollout worker."""
+    rollout_gpus: float = Field(0.0, ge=0)
+    """GPUs per rollout worker (a vLLM/SGLang engine with tensor parallelism t needs t)."""
+    learner_ranks: int = Field(1, ge=1)
+    """Learner actors (one per data/model-parallel rank); the torch backend trains on one."""
+    learner_cpus: float = Field(1.0, ge=0)
+    """CPUs reserved per learner rank."""
+    learner_gpus: float = Field(0.0, ge=0)
+    """GPUs per learner rank (1 on a GPU cluster)."""
+    placement: Literal["separate", "colocated"] = "separate"
+    """'separate': rollout and learner actors in disjoint resource pools (the asynchronous layout:
+    generation never waits for GPU memory the learner holds); 'colocated': learner rank i and rollout
+    worker i share one bundle (one GPU split by rollout_gpus + learner_gpus ≤ 1)."""
+    weight_transport: Literal["object_store", "broadcast"] = "object_store"
+    """How new weights reach the rollout workers: 'object_store' (one put, every worker reads it —
+    zero-copy on a node) or 'broadcast' (a torch.distributed group learner → workers: NCCL on GPUs,
+    gloo on CPU; bucketed)."""
+    bucket_mb: int = Field(256, ge=1)
+    """Broadcast bucket size: tensors are flattened into buckets of about this many MB."""
+    sandbox_workers: int = Field(0, ge=0)
+    """0: each rollout worker runs its task's tool itself; N > 0: the tool runs in N sandbox actors
+    shared by all rollout workers (sandboxes on CPU nodes, engines on GPU nodes)."""
+    sandbox_cpus: float = Field(1.0, ge=0)
+    """CPUs reserved per sandbox actor (each runs up to its tool's max_concurrency interpreters)."""
+    max_actor_restarts: int = Field(3, ge=0)
+    """Times Ray restarts a dead rollout/sandbox actor; a restarted rollout worker gets the current
+    weights before it generates, and the groups it had in flight are regenerated (same prompts)."""
+    call_timeout_s: float = Field(900.0, gt=0)
+    """Bound on every remote call (a group, a learner step, a weight push): expiry is an error, not a hang."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """Bound on waiting for the cluster's resources (placement) and each actor's start."""
+
+
 class WarmStartConfig(StrictModel):
     """Cold-start SFT before RL on solver-written tool episodes (learner/warm_start.py; Countdown tasks)."""
 
@@ -528,3 +573,8 @@ class RunConfig(StrictModel):
     """Loop length, checkpoints, logging."""
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     """Optional cold-start SFT before RL (off by default)."""
+    launcher: Literal["local", "ray"] = "local"
+    """'local': one process (engine and agent loops on asyncio, the learner on a thread); 'ray':
+    rollout workers, learner ranks and sandbox pools as Ray actors (the `ray` section)."""
+    ray: RayConfig = Field(default_factory=RayConfig)
+    """Cluster layout for launcher=ray."""

@@ -86,6 +86,8 @@ ROLLOUT_SKIPPED_SAMPLES = "rollout/skipped_samples"
 """Bad samples (tasks that could not be posed) counted and skipped so far: a running total."""
 ROLLOUT_FAILED_GROUPS = "rollout/failed_groups"
 """Groups whose generation failed and was given up so far: a running total."""
+ROLLOUT_REGENERATED_GROUPS = "rollout/regenerated_groups"
+"""launcher=ray: groups regenerated (same prompt) because their rollout actor died: a running total."""
 
 # --- Loss. -------------------------------------------------------------------------------------
 TRAIN_LOSS = "train/loss"
@@ -134,6 +136,7 @@ OPTIONAL = (
     ROLLOUT_FILTERED_FRAC,
     ROLLOUT_SKIPPED_SAMPLES,
     ROLLOUT_FAILED_GROUPS,
+    ROLLOUT_REGENERATED_GROUPS,
     TRAIN_LOSS,
     TRAIN_ENTROPY,
 )
@@ -185,6 +188,7 @@ __all__ = [
     "REWARD_STD",
     "ROLLOUT_FAILED_GROUPS",
     "ROLLOUT_FILTERED_FRAC",
+    "ROLLOUT_REGENERATED_GROUPS",
     "ROLLOUT_RESPONSE_TOKENS_MEAN",
     "ROLLOUT_SKIPPED_SAMPLES",
     "ROLLOUT_TOOL_CALLS_MEAN",

@@ -54,6 +54,11 @@ async def run_training(
         report = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else log.info
         warm = run_warm_start(config, task, task_path, cache_dir, report)
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(warm)})})
+    if config.launcher == "ray":
+        from learner.ray_launcher import run_training_ray
+
+        return await run_training_ray(config, task, task_path, settings, cache_dir, run_dir,
+                                      progress=progress, stop_after_step=stop_after_step)
     resolved = resolve_model(config.model.path, cache_dir)
     tokenizer = load_tokenizer(config.model.path, cache_dir)
     learner = build_learner(config, task, cache_dir)

@@ -23,6 +23,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,6 +127,10 @@ class TorchLearner:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step_count"])
+
+    def save_pretrained(self, path: Path) -> None:
+        """The current policy as an HF directory (safetensors), loadable by every engine."""
+        self.model.save_pretrained(path, safe_serialization=True)
 
     # --- the step ----------------------------------------------------------------------------
 

@@ -26,11 +26,11 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -48,10 +48,10 @@ from learner.checkpointing import (
 )
 from learner.metrics_log import MetricsLogger
 from learner.progress import ProgressLine
-from learner.torch_learner import StepInput, TorchLearner
+from learner.torch_learner import StepInput
 from rollout.base import InferenceEngine
 from rollout.errors import EngineUnavailable
-from rollout.manager import GroupTicket, RolloutManager
+from rollout.manager import GroupTicket, RolloutManager, RunGroup, WeightTarget
 from rollout.trajectory import Trajectory
 from tools.base import Tool, ToolUnavailableError
 
@@ -119,8 +119,47 @@ class TaskRuntime:
             self.reward_errors += 1
         return episode
 
+    def group_runner(self, group_size: int, seed: int) -> RunGroup:
+        """The rollout manager's `run_group`: `group_size` episodes of the ticket's prompt, here."""
+        return _group_runner(self, group_size, seed)
 
-def _group_runner(runtime: TaskRuntime, group_size: int, seed: int) -> Callable:
+    def counters(self) -> dict[str, float]:
+        """Running totals logged every step."""
+        return {"rollout/skipped_samples": self.skipped_samples, "rollout/reward_errors": self.reward_errors}
+
+
+class RolloutRuntime(Protocol):
+    """What `train` needs of the rollout side: a `TaskRuntime` here, or the Ray launcher's pool of
+    rollout actors (learner/ray_launcher.py)."""
+
+    task: TaskConfig
+    tokenizer: PreTrainedTokenizerBase
+
+    @property
+    def engine(self) -> WeightTarget: ...
+
+    def group_runner(self, group_size: int, seed: int) -> RunGroup: ...
+
+    def counters(self) -> dict[str, float]: ...
+
+
+class Learner(Protocol):
+    """What `train` needs of a learner: `TorchLearner`, or the Ray launcher's proxy of learner actors."""
+
+    device: torch.device
+
+    def step(self, batch: StepInput) -> dict[str, Any]: ...
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def save_pretrained(self, path: Path) -> None: ...
+
+
+def _group_runner(runtime: TaskRuntime, group_size: int, seed: int) -> RunGroup:
     settings = episode_settings(runtime.task)
 
     async def run_group(ticket: GroupTicket) -> list[Trajectory]:
@@ -207,7 +246,7 @@ def rollout_metrics(batch: StepInput) -> dict[str, float]:
     }
 
 
-def _step_and_trim(learner: TorchLearner, batch: StepInput) -> dict[str, Any]:
+def _step_and_trim(learner: Learner, batch: StepInput) -> dict[str, Any]:
     """One learner step, then hand freed heap pages back to the OS (glibc `malloc_trim`; a no-op
     elsewhere): a step's transient activations are GBs the engine may need before the next step."""
     try:
@@ -221,12 +260,12 @@ def _malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def export_model(learner: TorchLearner, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> Path:
+def export_model(learner: Learner, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> Path:
     """The trained policy as an HF directory (safetensors + tokenizer) for `vcpo eval --model`, any
     engine or the hub; written beside and renamed into place, so a reader never sees half of it."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    learner.model.save_pretrained(tmp, safe_serialization=True)
+    learner.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
@@ -242,14 +281,14 @@ class TrainSummary:
     run_dir: Path
 
 
-async def train(config: RunConfig, runtime: TaskRuntime, learner: TorchLearner, run_dir: Path, *,
+async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, run_dir: Path, *,
                 progress: bool = True, stop_after_step: int | None = None) -> TrainSummary:
     """Train `config.trainer.total_steps` steps (resuming from run_dir's newest checkpoint if any)."""
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer, rollout = config.trainer, config.rollout
-    run_group = _group_runner(runtime, config.algo.group_size, config.seed)
+    run_group = runtime.group_runner(config.algo.group_size, config.seed)
     manager = RolloutManager(
         runtime.engine, run_group, groups_per_batch=rollout.groups_per_step,
         max_lag=rollout.max_lag,
@@ -307,9 +346,8 @@ async def train(config: RunConfig, runtime: TaskRuntime, learner: TorchLearner, 
                     "time/idle_rollout": (now - last_wall) - (busy - last_busy),
                     "time/step": now - last_wall,
                     "perf/tokens_per_s": metrics["tokens/generated"] / max(1e-9, now - last_wall),
-                    "rollout/skipped_samples": runtime.skipped_samples,
-                    "rollout/reward_errors": runtime.reward_errors,
                     "rollout/failed_groups": manager.counters.groups_failed})
+                metrics.update(runtime.counters())
                 last_busy, last_wall = busy, now
                 metrics_log.log(step + 1, step + 1, metrics)
                 rewards.append(float(metrics.get("reward/mean", 0.0)))

@@ -38,9 +38,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from rollout.base import InferenceEngine
 from rollout.errors import EngineUnavailable
 from rollout.trajectory import Trajectory
 
@@ -70,6 +69,16 @@ RunGroup = Callable[[GroupTicket], Awaitable[Sequence[Trajectory]]]
 """Runs the G episodes of one group and returns their trajectories (raises on failure)."""
 
 
+class WeightTarget(Protocol):
+    """Where `sync_weights` publishes: an `InferenceEngine`, or a pool of remote ones (the Ray launcher)."""
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None: ...
+
+
 class RolloutFailed(RuntimeError):
     """A batch slot failed `max_attempts` times in a row."""
 
@@ -89,7 +98,7 @@ class RolloutManager:
 
     def __init__(
         self,
-        engine: InferenceEngine,
+        engine: WeightTarget,
         run_group: RunGroup,
         *,
         groups_per_batch: int,

