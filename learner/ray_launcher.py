@@ -5,9 +5,10 @@ Layout (ARCHITECTURE.md's processes, spread over a cluster):
 * The driver (the `vcpo train` process) runs `learner.trainer.train` unchanged: the rollout manager
   (lag bound, admission, retries, checkpoint state) and the step loop stay here, so every guarantee
   of local mode holds by construction.
-* `RolloutWorker` actors each own one engine and the agent loops of local mode (a `TaskRuntime`
-  built by `learner.compose.task_runtime`); the manager's `run_group` dispatches a group to the
-  least-loaded worker, and its trajectories come back through the object store (msgpack).
+* `RolloutWorker` actors (learner/ray_actors.py) each own one engine and the agent loops of local
+  mode (a `TaskRuntime` built by `learner.compose.task_runtime`); the manager's `run_group`
+  dispatches a group to the least-loaded worker, and its trajectories come back through the object
+  store (msgpack).
 * `LearnerRank` actors each own a learner built by `learner.run_train.build_learner`; the driver's
   `RayLearnerGroup` calls every rank and keeps rank 0's metrics.
 * `SandboxActor`s (optional) run the task's tool for every worker (`RemoteTool`).
@@ -37,11 +38,10 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,331 +51,29 @@ from torch import Tensor
 
 from configs.schema import RayConfig, RunConfig
 from configs.task_schema import TaskConfig
-from learner.ray_weights import (
-    WeightSpec,
-    broadcast_weights,
-    pack_weights,
-    receive_weights,
-    unpack_weights,
-    weight_specs,
+from learner.ray_actors import (
+    GroupResult,
+    LearnerRank,
+    LearnerSpec,
+    RayLaunchError,
+    RolloutWorker,
+    SandboxActor,
+    StaleWeights,
+    WeightsHandle,
+    WorkerSpec,
+    free_port,
+    node_ip,
+    ray_module,
 )
+from learner.ray_weights import WeightSpec, pack_weights, unpack_weights
 from learner.torch_learner import StepInput
 from rollout.errors import EngineUnavailable
 from rollout.manager import GroupTicket, RunGroup
 from rollout.trajectory import Trajectory
-from rollout.weight_group import WeightGroup
-from tools.base import ToolCall, ToolResult
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "vcpo"
-
-
-class RayLaunchError(RuntimeError):
-    """The cluster cannot run this layout (missing resources, an actor that cannot start, a timeout)."""
-
-
-class StaleWeights(RuntimeError):
-    """A rollout worker (restarted) does not hold the run's current weights yet."""
-
-
-def _ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise RayLaunchError('launcher=ray needs Ray: pip install "vcpo[ray]" (ray==2.60.0)') from None
-    return ray
-
-
-# --- actors (plain classes; `ray.remote` wraps them at launch, so importing this needs no Ray) ------
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a rollout worker needs to build its runtime (pickled to the actor)."""
-
-    task: TaskConfig
-    task_path: Path
-    model_path: str
-    cache_dir: Path
-    settings: Any
-    group_size: int
-    seed: int
-    sandboxes: tuple[Any, ...] = ()
-    """SandboxActor handles; empty = the worker builds its task's tool itself."""
-    torch_threads: int = 1
-
-
-@dataclass(frozen=True)
-class WeightsHandle:
-    """Weights of one version in the object store. The ref is wrapped in a tuple so Ray passes the
-    reference to the actor instead of resolving it in the call."""
-
-    version: int
-    refs: tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class GroupResult:
-    trajectories: list[bytes]
-    """msgpack of each trajectory (`Trajectory.to_msgpack`)."""
-    reward_errors: int
-    """The worker's running total of failed reward calls."""
-    incarnation: str
-    """Changes when Ray restarts the actor (pid@host)."""
-
-
-def _incarnation() -> str:
-    return f"{os.getpid()}@{socket.gethostname()}"
-
-
-class RolloutWorker:
-    """One engine plus its agent loops; the weights it serves arrive by handle or broadcast."""
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        torch.set_num_threads(spec.torch_threads)
-        self.spec = spec
-        self._stack = contextlib.AsyncExitStack()
-        self._runtime: Any = None
-        self._run_group: RunGroup | None = None
-        self._ready_lock = asyncio.Lock()
-        self._weights_lock = asyncio.Lock()
-        self._group: WeightGroup | None = None
-
-    async def _ready(self) -> Any:
-        async with self._ready_lock:
-            if self._runtime is None:
-                from learner.compose import task_runtime
-                from rollout.models import load_tokenizer, resolve_model
-
-                spec = self.spec
-                resolved = resolve_model(spec.model_path, spec.cache_dir)
-                tokenizer = load_tokenizer(spec.model_path, spec.cache_dir)
-                task = spec.task.model_copy(update={"tool": None}) if spec.sandboxes else spec.task
-                runtime = await self._stack.enter_async_context(task_runtime(
-                    task, spec.task_path, model_dir=resolved.name_or_path, tokenizer=tokenizer,
-                    settings=spec.settings, which="train"))
-                if spec.sandboxes:
-                    runtime.task, runtime.tool = spec.task, RemoteTool(list(spec.sandboxes))
-                self._run_group = runtime.group_runner(spec.group_size, spec.seed)
-                self._runtime = runtime
-        return self._runtime
-
-    async def start(self) -> dict[str, Any]:
-        runtime = await self._ready()
-        return {"version": runtime.engine.version, "skipped_samples": runtime.skipped_samples,
-                "incarnation": _incarnation()}
-
-    def incarnation(self) -> str:
-        return _incarnation()
-
-    async def run_group(self, ticket: GroupTicket, weights: WeightsHandle | None,
-                        min_version: int) -> GroupResult:
-        """The group's trajectories, generated at `weights` (loaded first if newer than the engine's)."""
-        runtime = await self._ready()
-        if weights is not None:
-            await self.load_handle(weights)
-        if runtime.engine.version < min_version:  # restarted since the last broadcast: ask for a copy
-            raise StaleWeights(f"serving version {runtime.engine.version}, the run is at {min_version}")
-        assert self._run_group is not None
-        trajectories = await self._run_group(ticket)
-        return GroupResult([t.to_msgpack() for t in trajectories], runtime.reward_errors, _incarnation())
-
-    async def load_handle(self, weights: WeightsHandle) -> int:
-        """Load `weights` unless this engine already serves that version or a newer one."""
-        runtime = await self._ready()
-        async with self._weights_lock:
-            if runtime.engine.version < weights.version:
-                named = unpack_weights(await weights.refs[0])
-                await _swap(runtime.engine, named, weights.version)
-        return runtime.engine.version
-
-    async def join_group(self, address: str, port: int, world_size: int, rank: int, name: str,
-                         backend: str, timeout_s: float) -> None:
-        await self._ready()
-        if self._group is not None:
-            with contextlib.suppress(Exception):
-                self._group.destroy()
-        self._group = await asyncio.to_thread(WeightGroup.join, backend, address, port, world_size, rank,
-                                              name, timeout_s)
-
-    async def receive(self, specs: list[WeightSpec], version: int, bucket_mb: int, device: str) -> int:
-        runtime = await self._ready()
-        if self._group is None:
-            raise RayLaunchError("receive() before join_group()")
-        async with self._weights_lock:
-            named = await asyncio.to_thread(receive_weights, self._group, specs, bucket_mb, device)
-            await _swap(runtime.engine, named, version)
-        return runtime.engine.version
-
-    async def close(self) -> None:
-        await self._stack.aclose()
-        self._runtime = None
-
-
-async def _swap(engine: Any, named: list[tuple[str, Tensor]], version: int) -> None:
-    """Local mode's weight swap (`RolloutManager.sync_weights`): pause at a step boundary, load, resume."""
-    await engine.pause()
-    try:
-        await engine.load_weights(named, version)
-    finally:
-        await engine.resume()
-
-
-@dataclass(frozen=True)
-class LearnerSpec:
-    config: RunConfig
-    task: TaskConfig
-    cache_dir: Path
-    torch_threads: int = 1
-
-
-class LearnerRank:
-    """One learner rank (the torch learner: rank 0 of 1; Megatron: one rank of its TP × PP × DP grid)."""
-
-    def __init__(self, spec: LearnerSpec, rank: int, world_size: int, master: tuple[str, int] | None) -> None:
-        torch.set_num_threads(spec.torch_threads)
-        if world_size > 1 and master is not None:  # torch.distributed's env:// rendezvous for the ranks
-            os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank),
-                              WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-        from learner.run_train import build_learner
-
-        self.rank = rank
-        self.learner = build_learner(spec.config, spec.task, spec.cache_dir)
-        self._group: WeightGroup | None = None
-
-    def step(self, batch: StepInput) -> dict[str, Any]:
-        from learner.trainer import _step_and_trim
-
-        return _step_and_trim(self.learner, batch)
-
-    def current_weights(self) -> WeightsHandle | None:
-        """Rank 0: the current weights labelled with their version (a restarted worker's catch-up)."""
-        refs = self.weights_refs()
-        return WeightsHandle(int(self.learner.step_count), refs) if refs else None
-
-    def weights_refs(self) -> tuple[Any, ...]:
-        """Rank 0: the current weights in the object store (every rank takes part in gathering them)."""
-        packed = pack_weights(self.learner.named_weights())
-        return (_ray().put(packed),) if self.rank == 0 else ()
-
-    def specs(self) -> list[WeightSpec]:
-        return weight_specs(self.learner.named_weights())
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.learner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.learner.load_state_dict(state)
-
-    def save_pretrained(self, path: str) -> None:
-        self.learner.save_pretrained(Path(path))
-
-    def free_port(self) -> tuple[str, int]:
-        return _node_ip(), _free_port()
-
-    def join_group(self, address: str, port: int, world_size: int, name: str, backend: str,
-                   timeout_s: float) -> None:
-        if self._group is not None:
-            with contextlib.suppress(Exception):
-                self._group.destroy()
-        self._group = WeightGroup.join(backend, address, port, world_size, 0, name, timeout_s)
-
-    def broadcast(self, bucket_mb: int) -> int:
-        if self._group is None:
-            raise RayLaunchError("broadcast() before join_group()")
-        return broadcast_weights(self._group, self.learner.named_weights(), bucket_mb, self.learner.device)
-
-
-class SandboxActor:
-    """The task's tool (e.g. the bubblewrap Python sandbox) serving every rollout worker."""
-
-    def __init__(self, tool_spec: Any) -> None:
-        self.tool_spec = tool_spec
-        self._stack = contextlib.AsyncExitStack()
-        self._tool: Any = None
-        self._lock = asyncio.Lock()
-        self._sessions: dict[str, Any] = {}
-        self._next = 0
-
-    async def _ready(self) -> Any:
-        async with self._lock:
-            if self._tool is None:
-                from tools.registry import build_tool
-
-                self._tool = await self._stack.enter_async_context(build_tool(self.tool_spec))
-        return self._tool
-
-    async def run(self, call: ToolCall) -> ToolResult:
-        return await (await self._ready()).run(call)
-
-    async def open_session(self) -> str:
-        tool = await self._ready()
-        self._next += 1
-        key = f"s{self._next}"
-        stack = contextlib.AsyncExitStack()
-        self._sessions[key] = (stack, await stack.enter_async_context(tool.session()))
-        return key
-
-    async def session_run(self, key: str, call: ToolCall) -> ToolResult:
-        return await self._sessions[key][1].run(call)
-
-    async def close_session(self, key: str) -> None:
-        stack, _ = self._sessions.pop(key, (None, None))
-        if stack is not None:
-            await stack.aclose()
-
-    async def close(self) -> None:
-        for key in list(self._sessions):
-            await self.close_session(key)
-        await self._stack.aclose()
-
-
-class RemoteTool:
-    """The `Tool` protocol over sandbox actors: calls go to the least busy one; a session stays on one."""
-
-    name = "remote"
-
-    def __init__(self, actors: list[Any]) -> None:
-        self.actors = actors
-        self._busy = [0] * len(actors)
-
-    async def __aenter__(self) -> RemoteTool:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-    @contextlib.contextmanager
-    def _lease(self) -> Iterator[Any]:
-        index = min(range(len(self.actors)), key=self._busy.__getitem__)
-        self._busy[index] += 1
-        try:
-            yield self.actors[index]
-        finally:
-            self._busy[index] -= 1
-
-    async def run(self, call: ToolCall) -> ToolResult:
-        with self._lease() as actor:
-            return await actor.run.remote(call)
-
-    @contextlib.asynccontextmanager
-    async def session(self) -> AsyncIterator[Any]:
-        with self._lease() as actor:
-            key = await actor.open_session.remote()
-            try:
-                yield _RemoteSession(actor, key)
-            finally:
-                await actor.close_session.remote(key)
-
-
-@dataclass
-class _RemoteSession:
-    actor: Any
-    key: str
-
-    async def run(self, call: ToolCall) -> ToolResult:
-        return await self.actor.session_run.remote(self.key, call)
 
 
 # --- the driver's side ---------------------------------------------------------------------------
@@ -392,7 +90,7 @@ class RemoteWeights:
         return self.learners.call_all("weights_refs")[0]
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
-        return iter(unpack_weights(_ray().get(self.object_refs()[0])))
+        return iter(unpack_weights(ray_module().get(self.object_refs()[0])))
 
 
 @dataclass
@@ -461,7 +159,7 @@ class RayRolloutPool:
             if isinstance(named_tensors, RemoteWeights):  # the learner packs and puts them itself
                 refs = await asyncio.to_thread(named_tensors.object_refs)
             else:
-                refs = (_ray().put(pack_weights(named_tensors)),)
+                refs = (ray_module().put(pack_weights(named_tensors)),)
             self._weights = WeightsHandle(version, refs)
             pushes = [self._call(w, "load_handle", self._weights) for w in self.workers]
             results = await asyncio.gather(*pushes, return_exceptions=True)
@@ -512,10 +210,10 @@ class RayRolloutPool:
         try:
             return await asyncio.wait_for(_await_ref(ref), self.config.call_timeout_s)
         except asyncio.CancelledError:
-            _ray().cancel(ref)
+            ray_module().cancel(ref)
             raise
         except TimeoutError:
-            _ray().cancel(ref)
+            ray_module().cancel(ref)
             raise RayLaunchError(f"rollout worker call {method} took over call_timeout_s="
                                  f"{self.config.call_timeout_s:.0f} s") from None
 
@@ -528,7 +226,7 @@ class RayRolloutPool:
 
     async def run_group(self, ticket: GroupTicket) -> list[Trajectory]:
         """Run the group on the least-loaded live worker; regenerate it elsewhere if that actor dies."""
-        ray = _ray()
+        ray = ray_module()
         regenerated = False
         while True:
             worker = await self._live_worker()
@@ -587,7 +285,7 @@ class RayRolloutPool:
         self._probes.add(asyncio.create_task(self._probe(worker)))
 
     async def _probe(self, worker: _WorkerState) -> None:
-        ray = _ray()
+        ray = ray_module()
         while True:
             try:
                 await asyncio.wait_for(_await_ref(worker.handle.incarnation.remote()), 10)
@@ -628,7 +326,7 @@ class RayLearnerGroup:
         return self.call_all("current_weights")[0]
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
-        ray = _ray()
+        ray = ray_module()
         refs = [getattr(rank, method).remote(*args) for rank in self.ranks]
         try:
             return ray.get(refs, timeout=self.timeout_s)
@@ -639,7 +337,7 @@ class RayLearnerGroup:
                                  ) from None
 
     def step(self, batch: StepInput) -> dict[str, Any]:
-        return self.call_all("step", _ray().put(batch))[0]
+        return self.call_all("step", ray_module().put(batch))[0]
 
     def named_weights(self) -> RemoteWeights:
         return RemoteWeights(self)
@@ -652,7 +350,7 @@ class RayLearnerGroup:
         if len(ranks) != len(self.ranks):
             raise RayLaunchError(f"the checkpoint has {len(ranks)} learner ranks, this layout "
                                  f"{len(self.ranks)}; resume with the same ray.learner_ranks")
-        _ray().get([rank.load_state_dict.remote(s) for rank, s in zip(self.ranks, ranks, strict=True)],
+        ray_module().get([rank.load_state_dict.remote(s) for rank, s in zip(self.ranks, ranks, strict=True)],
                    timeout=self.timeout_s)
 
     def save_pretrained(self, path: Path) -> None:
@@ -660,18 +358,6 @@ class RayLearnerGroup:
 
 
 # --- launch ----------------------------------------------------------------------------------------
-
-
-def _node_ip() -> str:
-    with contextlib.suppress(Exception):
-        return _ray().util.get_node_ip_address()
-    return "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def check_layout(config: RunConfig) -> None:
@@ -718,7 +404,7 @@ def _check_resources(ray: Any, rc: RayConfig) -> None:
 @contextlib.contextmanager
 def ray_session(ray_config: RayConfig) -> Iterator[Any]:
     """Join (address set) or start (a local cluster) Ray for the run; shut it down on exit."""
-    ray = _ray()
+    ray = ray_module()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     driver_paths = [p for p in sys.path if p and Path(p).is_dir()]
     env_vars = {"PYTHONPATH": os.pathsep.join(driver_paths), "RAY_AUTH_MODE": "disabled",
@@ -795,7 +481,7 @@ async def _start_actors(ray: Any, config: RunConfig, task: TaskConfig, task_path
     def on(group: Any, index: int) -> Any:
         return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
 
-    master = (_node_ip(), _free_port()) if rc.learner_ranks > 1 else None
+    master = (node_ip(), free_port()) if rc.learner_ranks > 1 else None
     spec = LearnerSpec(config, task, cache_dir, torch_threads=max(1, int(rc.learner_cpus)))
     learner_cls = ray.remote(LearnerRank)
     ranks = [learner_cls.options(num_cpus=rc.learner_cpus, num_gpus=rc.learner_gpus,
