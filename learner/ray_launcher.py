@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -405,8 +406,10 @@ def _check_resources(ray: Any, rc: RayConfig) -> None:
 
 
 @contextlib.contextmanager
-def ray_session(ray_config: RayConfig) -> Iterator[Any]:
-    """Join (address set) or start (a local cluster) Ray for the run; shut it down on exit."""
+def ray_session(ray_config: RayConfig, run_dir: Path) -> Iterator[Any]:
+    """Join (address set) or start (a local cluster) Ray for the run; shut it down on exit. A local
+    cluster's session lives in a short temp dir (Unix socket paths are capped at 107 bytes) that is
+    deleted on exit; if the run failed, its logs are kept in run_dir/ray-logs first."""
     ray = ray_module()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     driver_paths = [p for p in sys.path if p and Path(p).is_dir()]
@@ -417,19 +420,29 @@ def ray_session(ray_config: RayConfig) -> Iterator[Any]:
             env_vars[key] = os.environ[key]
     kwargs: dict[str, Any] = {"namespace": NAMESPACE, "runtime_env": {"env_vars": env_vars},
                               "log_to_driver": True}
-    if ray_config.address is None:  # a socket path must stay short: a temp dir, not the run dir
-        kwargs.update(num_cpus=ray_config.num_cpus, include_dashboard=False,
-                      _temp_dir=tempfile.mkdtemp(prefix="vcpo-ray-"))
+    temp_dir = None
+    if ray_config.address is None:
+        temp_dir = tempfile.mkdtemp(prefix="vcpo-ray-")
+        kwargs.update(num_cpus=ray_config.num_cpus, include_dashboard=False, _temp_dir=temp_dir)
     else:
         kwargs["address"] = ray_config.address
     started = not ray.is_initialized()
     if started:
         ray.init(**kwargs)
+    failed = True
     try:
         yield ray
+        failed = False
     finally:
         if started:
             ray.shutdown()
+        if started and temp_dir is not None:
+            if failed:
+                with contextlib.suppress(OSError):
+                    logs = Path(temp_dir) / "session_latest" / "logs"
+                    shutil.copytree(logs, run_dir / "ray-logs", dirs_exist_ok=True)
+                    log.warning("ray: the run failed; the cluster's logs are in %s", run_dir / "ray-logs")
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _bundle(cpus: float, gpus: float) -> dict[str, float]:
@@ -525,7 +538,7 @@ async def run_training_ray(config: RunConfig, task: TaskConfig, task_path: Path,
     check_layout(config)
     run_name = f"vcpo-{os.getpid()}-{int(time.time())}"
     tokenizer = load_tokenizer(config.model.path, cache_dir)
-    with ray_session(config.ray) as ray:
+    with ray_session(config.ray, run_dir) as ray:
         actors = await _start_actors(ray, config, task, task_path, settings, cache_dir, run_name)
         learners = RayLearnerGroup(actors.ranks, config.ray.call_timeout_s)
         pool = RayRolloutPool(actors.workers, config.ray, task, tokenizer, learners, actors.skipped_samples)

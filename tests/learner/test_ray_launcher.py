@@ -179,8 +179,8 @@ def test_sandbox_actor_serves_calls_and_sessions(tmp_path: Path) -> None:
     from learner.ray_actors import RemoteTool, SandboxActor
     from tools.base import ToolCall
 
-    ray.init(num_cpus=1, include_dashboard=False, namespace="vcpo-test",
-             _temp_dir=tempfile.mkdtemp(prefix="vcpo-ray-"))
+    temp_dir = tempfile.mkdtemp(prefix="vcpo-ray-")  # short: Ray's Unix sockets live under it
+    ray.init(num_cpus=1, include_dashboard=False, namespace="vcpo-test", _temp_dir=temp_dir)
     try:
         actor = ray.remote(SandboxActor).options(num_cpus=0).remote(
             {"type": "python", "timeout_s": 5, "warm_pool_size": 0})
@@ -201,6 +201,7 @@ def test_sandbox_actor_serves_calls_and_sessions(tmp_path: Path) -> None:
         assert network != "ok"  # still isolated: no network inside the sandbox
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.gpu
