@@ -75,6 +75,13 @@ def check_run_config(path: Path) -> RunConfig:
     config = load_config(path, RunConfig)
     check_task_config(resolve_task_path(config.task, Path(path).parent), config.task_overrides)
     engine_settings(config.engine, str(path))
+    if config.launcher == "ray":
+        from learner.ray_launcher import RayLaunchError, check_layout
+
+        try:
+            check_layout(config)
+        except RayLaunchError as exc:
+            raise ConfigError(str(path), [f"ray: {exc}"]) from None
     return config
 
 

@@ -242,6 +242,11 @@ class LearnerRank:
         self._group = WeightGroup.join(backend, address, port, world_size, 0, name, timeout_s)
 
     def broadcast(self, bucket_mb: int) -> int:
+        """Rank 0 sends; the other ranks only take part in gathering their shards (TP export)."""
+        if self.rank != 0:
+            for _ in self.learner.named_weights():
+                pass
+            return 0
         if self._group is None:
             raise RayLaunchError("broadcast() before join_group()")
         return broadcast_weights(self._group, self.learner.named_weights(), bucket_mb, self.learner.device)

@@ -186,9 +186,9 @@ class RayRolloutPool:
             self._group_incarnations = list(incarnations)
         config = self.config
         device = "cuda" if config.rollout_gpus > 0 else "cpu"
-        send = self.learners.ranks[0].broadcast.remote(config.bucket_mb)
+        sends = [_await_ref(rank.broadcast.remote(config.bucket_mb)) for rank in self.learners.ranks]
         received = [self._call(w, "receive", self._specs, version, config.bucket_mb, device) for w in members]
-        await asyncio.wait_for(asyncio.gather(_await_ref(send), *received), config.call_timeout_s)
+        await asyncio.wait_for(asyncio.gather(*sends, *received), config.call_timeout_s)
         for worker in members:
             worker.stale = False
 
@@ -371,6 +371,14 @@ def check_layout(config: RunConfig) -> None:
     if backend == "torch" and ray_config.learner_ranks != 1:
         raise RayLaunchError(f"ray.learner_ranks={ray_config.learner_ranks}: the torch learner trains on one "
                              "rank; set ray.learner_ranks=1, or learner.backend=megatron for several")
+    if backend == "megatron":
+        layout = config.learner.megatron
+        world = (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
+                 * layout.context_parallel_size)
+        if ray_config.learner_ranks != world:
+            raise RayLaunchError(f"ray.learner_ranks={ray_config.learner_ranks}, but learner.megatron's "
+                                 f"tensor × pipeline × context parallel size is {world}: set "
+                                 f"ray.learner_ranks={world}")
     if ray_config.placement == "colocated":
         if ray_config.rollout_workers != ray_config.learner_ranks:
             raise RayLaunchError("ray.placement=colocated pairs rollout worker i with learner rank i: set "
