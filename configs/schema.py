@@ -207,7 +207,8 @@ class OPOBConfig(StrictModel):
     """winsorized_mean only: cap each group's baseline weights ω at this quantile of the group."""
     grad_norm_path: Literal["fast", "per_trajectory"] = "fast"
     """Per-trajectory gradient norms: hooks on packed micro-batches (fast, exact) or one backward per
-    trajectory (the reference)."""
+    trajectory (the reference). learner.backend='megatron' always uses 'per_trajectory' (the fast
+    path's hooks fit HF modules, not megatron's parallel layers)."""
 
 
 class VCPOObjective(StrictModel):
@@ -457,14 +458,68 @@ class RolloutConfig(StrictModel):
     normal asynchrony: the realised lag is ≤ k and depends on engine vs learner speed."""
 
 
-class LearnerConfig(StrictModel):
-    """The torch learner (learner/torch_learner.py)."""
+class MegatronConfig(StrictModel):
+    """`learner.backend: megatron` (learner/megatron_learner.py): a megatron-core GPT built from the HF
+    Llama/Qwen2 checkpoint (weights in and out through mbridge), trained by the same step as the torch
+    learner on one torch.distributed group of tensor × pipeline × context parallel ranks."""
 
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    """TP: shards of every linear layer and of the vocabulary; the world size must be TP × PP × CP
+    (there is no data parallelism: every rank sees the whole minibatch)."""
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    """PP: pipeline stages. Only 1 is supported (the learner's per-trajectory autograd needs the whole
+    model on each rank)."""
+    context_parallel_size: int = Field(1, ge=1)
+    """CP: shards of each packed sequence across ranks for attention. Only 1 is supported."""
+    sequence_parallel: bool = False
+    """Shard the activations outside attention/MLP along the sequence across the TP ranks (less
+    activation memory); needs tensor_model_parallel_size > 1 and transformer_impl='transformer_engine'."""
+    use_distributed_optimizer: bool = False
+    """megatron's DistributedOptimizer: fp32 master weights and Adam moments sharded over data-parallel
+    ranks. With no data parallelism (one replica) it holds the same state as the plain optimizer."""
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """'local': megatron's pure-torch layers (CPU or GPU); packed trajectories are kept apart by a
+    block-diagonal causal mask (memory ∝ micro_batch_tokens²). 'transformer_engine': TE layers with packed
+    `thd` sequences (cu_seqlens, no mask); GPU only, needs transformer-engine installed."""
+
+    @model_validator(mode="after")
+    def _check(self) -> MegatronConfig:
+        problems = []
+        if self.pipeline_model_parallel_size > 1:
+            problems.append(f"pipeline_model_parallel_size={self.pipeline_model_parallel_size}: pipeline "
+                            "parallelism is not supported by the megatron learner yet; set it to 1 and use "
+                            "tensor_model_parallel_size to split the model")
+        if self.context_parallel_size > 1:
+            problems.append(f"context_parallel_size={self.context_parallel_size}: context parallelism is not "
+                            "supported by the megatron learner yet; set it to 1 (lower "
+                            "learner.micro_batch_tokens for long sequences)")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            problems.append("sequence_parallel=true shards activations across tensor-parallel ranks, but "
+                            "tensor_model_parallel_size=1; set tensor_model_parallel_size ≥ 2 or "
+                            "sequence_parallel=false")
+        if self.sequence_parallel and self.transformer_impl != "transformer_engine":
+            problems.append("sequence_parallel=true needs transformer_impl='transformer_engine' (megatron's "
+                            "local layers have no sequence-parallel norm kernels); set one of them")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class LearnerConfig(StrictModel):
+    """The learner backend: torch (learner/torch_learner.py) or megatron-core
+    (learner/megatron_learner.py)."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    """'torch': the HF model on one device; 'megatron': megatron-core with tensor parallelism (the
+    `megatron` section; needs `pip install vcpo[megatron]` and CUDA). VCPO's per-trajectory norms use
+    algo.objective.opob.grad_norm_path='per_trajectory' on megatron whatever that field says."""
     device: str = "auto"
     """torch device of the learner's model: 'auto' (cuda when available, else cpu), 'cpu', 'cuda:0'."""
     micro_batch_tokens: int = Field(2048, ge=1)
     """Token budget of a packed micro-batch; activation memory ∝ this (≈ 2 GB per 1k tokens for a
     135M fp32 model). VCPO splits groups across micro-batches; other objectives keep groups whole."""
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Parallel layout and kernels of backend='megatron' (ignored by 'torch')."""
 
 
 class RayConfig(StrictModel):
@@ -483,7 +538,8 @@ class RayConfig(StrictModel):
     rollout_gpus: float = Field(0.0, ge=0)
     """GPUs per rollout worker (a vLLM/SGLang engine with tensor parallelism t needs t)."""
     learner_ranks: int = Field(1, ge=1)
-    """Learner actors (one per data/model-parallel rank); the torch backend trains on one."""
+    """Learner actors: 1 for learner.backend='torch'; for 'megatron' one per model-parallel rank
+    (tensor × pipeline × context parallel size; every rank takes part in each step and weight export)."""
     learner_cpus: float = Field(1.0, ge=0)
     """CPUs reserved per learner rank."""
     learner_gpus: float = Field(0.0, ge=0)
@@ -510,6 +566,9 @@ class RayConfig(StrictModel):
     """Bound on every remote call (a group, a learner step, a weight push): expiry is an error, not a hang."""
     start_timeout_s: float = Field(300.0, gt=0)
     """Bound on waiting for the cluster's resources (placement) and each actor's start."""
+    worker_setup_hook: str | None = None
+    """'module.function' every Ray worker process runs before any actor starts (site-specific setup:
+    logging, environment, patches); None = nothing."""
 
 
 class WarmStartConfig(StrictModel):

@@ -23,6 +23,9 @@ _EXPORTS = {
     "accumulate_opob_grad_per_trajectory": "learner.opob_grad",
     "UnsupportedParameterError": "learner.traj_grad_hooks",
     "reference_opob_gradient": "learner.grad_reference",
+    "MegatronLearner": "learner.megatron_learner",
+    "init_model_parallel": "learner.megatron_learner",
+    "bench_learner": "learner.bench_learner",
     "synthetic_microbatches": "learner.grad_bench",
     "time_grad_paths": "learner.grad_bench",
 }

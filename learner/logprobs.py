@@ -58,7 +58,10 @@ def token_logprobs(logits: Tensor, target_ids: Tensor) -> Tensor:
 
 
 def check_packing_aware(model: nn.Module) -> None:
-    """Raise unless the model's attention isolates packed trajectories (see `PACKING_AWARE_ATTENTION`)."""
+    """Raise unless the model's attention isolates packed trajectories (see `PACKING_AWARE_ATTENTION`;
+    a non-HF model with the same call signature says so with a true `is_packing_aware` attribute)."""
+    if getattr(model, "is_packing_aware", False):
+        return
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if implementation not in PACKING_AWARE_ATTENTION:
         raise ValueError(

@@ -28,7 +28,8 @@ trajectories.
 
 With sharded parameters (FSDP/TP) the norms computed here are per-shard partial sums:
 `baseline_fn` — called on every rank in the same order, once per group — is the place to
-all-reduce them. Nothing here communicates.
+all-reduce them (`counts_in_norm` keeps replicated parameters from being counted once per rank;
+`learner/megatron_learner.py` does both). Nothing here communicates.
 """
 
 from __future__ import annotations
@@ -198,6 +199,8 @@ def accumulate_opob_grad_per_trajectory(
     reward_coefs: Tensor,
     baseline_coefs: Tensor,
     baseline_fn: BaselineFn,
+    *,
+    counts_in_norm: Callable[[nn.Parameter], bool] | None = None,
 ) -> OpobGradResult:
     """The reference OPOB gradient: one forward/backward per trajectory, two buffers.
 
@@ -205,11 +208,14 @@ def accumulate_opob_grad_per_trajectory(
     parameters autograd reaches. Per trajectory: `A += a_i g_i`, `S_g += s_i g_i`, and after a
     group's last member `A −= b*_g S_g`; finally `.grad += −A`. Exact but slow: a full-size norm
     and two full-size axpys per trajectory, and short sequences use the hardware poorly.
-    `.grad` is left untouched if it raises.
+    `counts_in_norm(param)`: whether `param`'s gradient enters `sq_norms` (default: every one);
+    with tensor parallelism it drops the copies of replicated parameters on all ranks but one, so
+    the sum over ranks counts each parameter once. `.grad` is left untouched if it raises.
     """
     num_trajectories = _check_coefs(reward_coefs, baseline_coefs)
     schedule = _GroupSchedule.build(microbatches, num_trajectories)
     params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    counted = [counts_in_norm is None or counts_in_norm(p) for p in params]
     ascent = {p: torch.zeros_like(p) for p in params}
     device = params[0].device if params else reward_coefs.device
     sq_norms = torch.zeros(num_trajectories, dtype=torch.float32, device=device)
@@ -218,7 +224,8 @@ def accumulate_opob_grad_per_trajectory(
         for j in range(batch.num_trajectories):
             index, group = int(batch.trajectory_indices[j]), int(batch.group_ids[j])
             grads = _trajectory_grads(model, batch.select(j), params)
-            sq_norms[index] = torch.stack([(g.float() * g.float()).sum() for g in grads]).sum()
+            terms = [(g.float() * g.float()).sum() for g, c in zip(grads, counted, strict=True) if c]
+            sq_norms[index] = torch.stack(terms).sum() if terms else 0.0
             reward_coef, baseline_coef = float(reward_coefs[index]), float(baseline_coefs[index])
             for param, grad in zip(params, grads, strict=True):
                 ascent[param].add_(grad, alpha=reward_coef)

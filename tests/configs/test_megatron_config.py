@@ -1,0 +1,40 @@
+"""`learner.backend` / `learner.megatron`: defaults, and every unsupported layout refused with its fix."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from configs.schema import LearnerConfig, MegatronConfig, RunConfig
+
+
+def test_the_torch_backend_is_the_default_and_megatron_defaults_to_one_rank() -> None:
+    learner = RunConfig().learner
+    assert learner.backend == "torch"
+    assert (learner.megatron.tensor_model_parallel_size, learner.megatron.pipeline_model_parallel_size,
+            learner.megatron.context_parallel_size) == (1, 1, 1)
+
+
+def test_a_megatron_layout_with_tensor_parallelism_validates() -> None:
+    config = LearnerConfig.model_validate({"backend": "megatron", "megatron": {
+        "tensor_model_parallel_size": 4, "sequence_parallel": True, "transformer_impl": "transformer_engine",
+        "use_distributed_optimizer": True}})
+    assert config.megatron.tensor_model_parallel_size == 4
+
+
+@pytest.mark.parametrize(("fields", "fix"), [
+    ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size=2: pipeline parallelism is not"),
+    ({"context_parallel_size": 2}, "context_parallel_size=2: context parallelism is not supported"),
+    ({"sequence_parallel": True, "transformer_impl": "transformer_engine"},
+     "set tensor_model_parallel_size ≥ 2"),
+    ({"sequence_parallel": True, "tensor_model_parallel_size": 2},
+     "needs transformer_impl='transformer_engine'"),
+])
+def test_unsupported_megatron_layouts_name_the_field_and_the_fix(fields: dict, fix: str) -> None:
+    with pytest.raises(ValidationError, match=fix):
+        MegatronConfig.model_validate(fields)
+
+
+def test_a_typo_in_the_megatron_section_is_an_error() -> None:
+    with pytest.raises(ValidationError, match="tensor_parallel_size"):
+        LearnerConfig.model_validate({"megatron": {"tensor_parallel_size": 2}})

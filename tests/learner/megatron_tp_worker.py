@@ -1,0 +1,82 @@
+"""torchrun worker of tests/learner/test_megatron_learner.py: one megatron learner step per objective at
+tensor parallel size = world size, on the CPU (gloo, the test-only CUDA shim). Rank 0 saves, per
+objective: the step's metrics, VCPO's summed ‖∇ℓ_i‖² and every rank's partial sums, the weights after
+the step (HF names, TP shards gathered), and each rank's local embedding shard shape.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/learner/megatron_tp_worker.py HF_DIR KIND OUT \
+        [--cuda-sequence-parallel]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from configs.schema import MegatronConfig
+from tests.learner import megatron_parity
+from tests.learner.megatron_cpu import cuda_on_cpu
+
+
+def _partial_sq_norms(learner: object) -> list[torch.Tensor]:
+    """Record the per-rank partial sums handed to `_sum_over_shards` (per group, the (B,) vector, the
+    squared gradient norm)."""
+    seen: list[torch.Tensor] = []
+    reduce = learner._sum_over_shards  # type: ignore[attr-defined]
+
+    def spy(partial: torch.Tensor) -> torch.Tensor:
+        seen.append(partial.clone())
+        return reduce(partial)
+
+    learner._sum_over_shards = spy  # type: ignore[attr-defined]
+    return seen
+
+
+def main(hf_dir: str, kind: str, out: str, *flags: str) -> None:
+    """`flags`: '--cuda-sequence-parallel' runs on this rank's GPU (NCCL) with TransformerEngine layers and
+    sequence parallelism instead of on the CPU shim."""
+    torch.set_num_threads(1)
+    on_gpu = "--cuda-sequence-parallel" in flags
+    world = int(os.environ["WORLD_SIZE"])  # set by torchrun
+    megatron = MegatronConfig(tensor_model_parallel_size=world)
+    device = torch.device("cpu")
+    if on_gpu:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        megatron = megatron.model_copy(update={"sequence_parallel": True,
+                                               "transformer_impl": "transformer_engine"})
+    with contextlib.nullcontext() if on_gpu else cuda_on_cpu():
+        from learner.megatron_learner import MegatronLearner, init_model_parallel
+
+        init_model_parallel(megatron, backend="nccl" if on_gpu else "gloo")
+        batch = megatron_parity.parity_batch(kind)
+        results = {}
+        for name, use_distributed_optimizer in (("grpo", False), ("vcpo", True)):
+            config = megatron.model_copy(update={"use_distributed_optimizer": use_distributed_optimizer})
+            learner = MegatronLearner(hf_dir, megatron_parity.algo(name), megatron_parity.OPTIM, config,
+                                      micro_batch_tokens=megatron_parity.MICRO_BATCH_TOKENS, device=device)
+            partials = _partial_sq_norms(learner)
+            record = megatron_parity.run_step(learner, batch)
+            shard = tuple(learner.gpt.gpt.embedding.word_embeddings.weight.shape)
+            gathered: list[object] = [None] * dist.get_world_size()
+            vectors = [partial.cpu() for partial in partials if partial.ndim == 1]  # not the grad-norm scalar
+            dist.all_gather_object(gathered, {"partial": vectors[-1] if vectors else None, "shard": shard})
+            results[name] = {"metrics": record.metrics, "sq_norms": _cpu(record.sq_norms),
+                             "weights": {k: v.cpu() for k, v in record.weights.items()},
+                             "partials": [g["partial"] for g in gathered],
+                             "shards": [g["shard"] for g in gathered]}
+        if dist.get_rank() == 0:
+            torch.save(results, out)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _cpu(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.cpu()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

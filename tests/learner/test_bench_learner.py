@@ -1,0 +1,29 @@
+"""`learner.bench_learner`: a tiny torch-learner run reports consistent numbers; megatron on CPU is
+refused with the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from learner.bench_learner import BenchBatch, BenchShape, bench_learner
+
+TINY = BenchShape(kind="qwen2", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1)
+
+
+def test_torch_learner_bench_reports_time_tokens_and_memory() -> None:
+    batch = BenchBatch(groups=2, group_size=2, tokens=24, sampled=16)
+    result = bench_learner("torch", shape=TINY, batch=batch, objective="vcpo", steps=2, warmup=1)
+    json.dumps(result)  # JSON-able as it is
+    assert len(result["step_s"]) == 2 and result["step_s_min"] <= result["step_s_mean"]
+    assert result["tokens_per_step"] == 2 * 2 * 24  # 4 trajectories of 24 tokens
+    assert result["tokens_per_s"] == pytest.approx(96 / result["step_s_mean"])
+    assert result["peak_memory_mib"] > 0 and result["megatron"] is None
+
+
+def test_megatron_bench_on_cpu_says_what_to_do() -> None:
+    with pytest.raises(ValueError, match="needs CUDA"):
+        bench_learner("megatron", device="cpu", shape=TINY, batch=BenchBatch(groups=1, group_size=2, tokens=8,
+                                                                             sampled=4))
