@@ -426,8 +426,10 @@ def ray_session(ray_config: RayConfig, run_dir: Path) -> Iterator[Any]:
     for key in ("VCPO_CACHE_DIR", "HF_HOME", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"):
         if key in os.environ:
             env_vars[key] = os.environ[key]
-    kwargs: dict[str, Any] = {"namespace": NAMESPACE, "runtime_env": {"env_vars": env_vars},
-                              "log_to_driver": True}
+    runtime_env: dict[str, Any] = {"env_vars": env_vars}
+    if ray_config.worker_setup_hook:
+        runtime_env["worker_process_setup_hook"] = ray_config.worker_setup_hook
+    kwargs: dict[str, Any] = {"namespace": NAMESPACE, "runtime_env": runtime_env, "log_to_driver": True}
     temp_dir = None
     if ray_config.address is None:
         temp_dir = tempfile.mkdtemp(prefix="vcpo-ray-")
