@@ -412,6 +412,49 @@ class StalenessBenchConfig(StrictModel):
         return self
 
 
+class LearnerBenchConfig(StrictModel):
+    """`vcpo bench learner` (learner/bench_learner.py): optimizer steps of each learner backend on one
+    random minibatch of a random model; step time, tokens/s, peak memory, and each backend's speed
+    relative to the torch learner measured in the same run."""
+
+    backends: list[Literal["torch", "megatron"]] = Field(default_factory=lambda: ["torch", "megatron"])
+    """Backends to time; one that cannot run here (megatron without CUDA) is reported with its reason."""
+    device: str = "auto"
+    """'auto' (cuda when available, else cpu), 'cpu' or 'cuda'."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the learners (bf16 on GPUs)."""
+    objective: Literal["grpo", "vcpo"] = "vcpo"
+    """The step timed: plain GRPO, or VCPO with its per-trajectory gradient norms."""
+    kind: Literal["llama", "qwen2"] = "llama"
+    """Architecture of the random model."""
+    hidden_size: int = Field(576, ge=8)
+    """Model width (defaults: SmolLM2-135M's shape)."""
+    intermediate_size: int = Field(1536, ge=8)
+    """MLP width."""
+    num_hidden_layers: int = Field(30, ge=1)
+    """Transformer layers."""
+    num_attention_heads: int = Field(9, ge=1)
+    """Query heads."""
+    num_key_value_heads: int = Field(3, ge=1)
+    """Key/value heads (grouped-query attention)."""
+    vocab_size: int = Field(49152, ge=16)
+    """Vocabulary size."""
+    groups: int = Field(8, ge=1)
+    """Groups in the minibatch."""
+    group_size: int = Field(4, ge=2)
+    """Trajectories per group."""
+    tokens: int = Field(512, ge=2)
+    """Tokens per trajectory."""
+    sampled: int = Field(384, ge=1)
+    """Trained (sampled) tokens at the end of each trajectory."""
+    micro_batch_tokens: int = Field(4096, ge=1)
+    """Packed micro-batch budget."""
+    steps: int = Field(3, ge=1)
+    """Timed steps (after `warmup` untimed ones)."""
+    warmup: int = Field(1, ge=0)
+    """Untimed steps first (allocator and kernel warm-up)."""
+
+
 class SandboxBenchConfig(StrictModel):
     """`vcpo bench sandbox`: local sandbox latency/throughput vs a bare `python3 -c`, same run."""
 

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from configs.schema import AlgoConfig, MegatronConfig, OptimConfig
+from configs.schema import AlgoConfig, LearnerBenchConfig, MegatronConfig, OptimConfig
 from learner.torch_learner import StepInput, TorchLearner
 from rollout.trajectory import Trajectory, TrajectoryVersions
 
@@ -153,3 +153,29 @@ def bench_learner(backend: Literal["torch", "megatron"], *, device: str = "cpu",
         "step_s": times, "step_s_mean": mean, "step_s_min": min(times),
         "tokens_per_step": tokens, "tokens_per_s": tokens / mean, "peak_memory_mib": _peak_memory_mib(device),
     }
+
+
+def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
+    """`vcpo bench learner`: every configured backend on the same model and batch; a backend that cannot
+    run here keeps its row with the reason; `vs_torch` = tokens/s relative to the torch learner."""
+    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    shape = BenchShape(kind=config.kind, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                       intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+                       num_attention_heads=config.num_attention_heads,
+                       num_key_value_heads=config.num_key_value_heads)
+    batch = BenchBatch(groups=config.groups, group_size=config.group_size, tokens=config.tokens,
+                       sampled=config.sampled)
+    results: dict[str, Any] = {}
+    for backend in config.backends:
+        try:
+            results[backend] = bench_learner(backend, device=device, shape=shape, batch=batch,
+                                             objective=config.objective, dtype=config.dtype,
+                                             micro_batch_tokens=config.micro_batch_tokens, steps=config.steps,
+                                             warmup=config.warmup)
+        except (ValueError, RuntimeError, ImportError) as exc:
+            results[backend] = {"backend": backend, "device": device, "error": f"{type(exc).__name__}: {exc}"}
+    baseline = results.get("torch", {}).get("tokens_per_s")
+    for result in results.values():
+        if baseline and "tokens_per_s" in result:
+            result["vs_torch"] = round(result["tokens_per_s"] / baseline, 3)
+    return {"config": config.model_dump(mode="json"), "device": device, "results": results}

@@ -68,7 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
     model.set_defaults(handler=_model_prepare)
 
     bench = commands.add_parser("bench", help="benchmarks (JSON on stdout)")
-    bench.add_argument("name", choices=["opob", "sandbox", "engine", "async", "staleness"])
+    bench.add_argument("name", choices=["opob", "sandbox", "engine", "async", "staleness", "learner"])
     bench.add_argument("--config", type=Path, default=None, help="benchmark config YAML")
     bench.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     bench.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the benchmark config")
@@ -185,6 +185,12 @@ def _bench(args: argparse.Namespace) -> int:
         result = run_engine_bench(engine.model, _cache_dir(), concurrencies=tuple(engine.concurrencies),
                                   max_new_tokens=engine.max_new_tokens, backends=tuple(engine.backends),
                                   dtype=engine.dtype, progress=_progress)
+    elif args.name == "learner":
+        from configs.schema import LearnerBenchConfig
+        from learner.bench_learner import run_learner_bench
+
+        _set_threads()
+        result = run_learner_bench(_bench_config(args, LearnerBenchConfig))
     elif args.name == "staleness":
         from configs.schema import StalenessBenchConfig
         from learner.bench_staleness import run_staleness_bench

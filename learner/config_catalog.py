@@ -16,6 +16,7 @@ from configs.loader import ConfigError, load_config, read_yaml_tree
 from configs.schema import (
     AsyncBenchConfig,
     EngineBenchConfig,
+    LearnerBenchConfig,
     OpobBenchConfig,
     RunConfig,
     SandboxBenchConfig,
@@ -38,7 +39,7 @@ def _tool_spec(path: Path) -> Any:
 
 BENCH_SCHEMAS: dict[str, type] = {"opob": OpobBenchConfig, "async": AsyncBenchConfig,
                                    "engine": EngineBenchConfig, "sandbox": SandboxBenchConfig,
-                                   "staleness": StalenessBenchConfig}
+                                   "staleness": StalenessBenchConfig, "learner": LearnerBenchConfig}
 """configs/bench/<name>.yaml → the schema of `vcpo bench <name>`."""
 
 def check_task_config(path: str | Path, overrides: Sequence[str] = ()) -> TaskConfig:
