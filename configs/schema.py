@@ -417,8 +417,11 @@ class LearnerBenchConfig(StrictModel):
     random minibatch of a random model; step time, tokens/s, peak memory, and each backend's speed
     relative to the torch learner measured in the same run."""
 
-    backends: list[Literal["torch", "megatron"]] = Field(default_factory=lambda: ["torch", "megatron"])
-    """Backends to time; one that cannot run here (megatron without CUDA) is reported with its reason."""
+    backends: list[Literal["torch", "torch-autocast", "megatron"]] = Field(
+        default_factory=lambda: ["torch", "torch-autocast", "megatron"])
+    """Backends to time: 'torch' (in `dtype`), 'torch-autocast' (the torch learner with
+    learner.autocast=bfloat16 over fp32 weights), 'megatron'. One that cannot run here (megatron without
+    CUDA, autocast with bf16 weights) is reported with its reason."""
     device: str = "auto"
     """'auto' (cuda when available, else cpu), 'cpu' or 'cuda'."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -561,6 +564,16 @@ class LearnerConfig(StrictModel):
     micro_batch_tokens: int = Field(2048, ge=1)
     """Token budget of a packed micro-batch; activation memory ∝ this (≈ 2 GB per 1k tokens for a
     135M fp32 model). VCPO splits groups across micro-batches; other objectives keep groups whole."""
+    autocast: Literal["none", "bfloat16"] = "none"
+    """Mixed precision of the torch learner over fp32 weights (model.dtype='float32'): 'bfloat16' runs
+    the gradient forward/backward under torch.autocast (bf16 matmuls and weight gradients, fp32
+    log-softmax, gradients accumulated and the optimizer stepped in fp32; VCPO's per-trajectory norms
+    summed in fp32). On a CPU with AMX/AVX-512-BF16 or any recent GPU it is the fast path; the gradient
+    carries bf16 rounding (~1e-2 relative). 'none': everything in model.dtype."""
+    autocast_proximal: bool = False
+    """With autocast: also run the no-grad proximal forward (log π_old, hence IS weights, ESS and VCPO's
+    coefficients) in bf16. Off keeps them exact against an fp32 engine (ESS ratio 1 at lag 0); on saves
+    that forward's time but adds bf16 noise (~0.04/token) to every importance weight."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallel layout and kernels of backend='megatron' (ignored by 'torch')."""
 
@@ -680,3 +693,17 @@ class RunConfig(StrictModel):
     rollout workers, learner ranks and sandbox pools as Ray actors (the `ray` section)."""
     ray: RayConfig = Field(default_factory=RayConfig)
     """Cluster layout for launcher=ray."""
+
+    @model_validator(mode="after")
+    def _check_autocast(self) -> RunConfig:
+        if self.learner.autocast == "none":
+            return self
+        if self.learner.backend == "megatron":
+            raise ValueError("learner.autocast applies to the torch learner; megatron has its own mixed "
+                             "precision (bf16 params, fp32 main grads): set learner.autocast='none' and "
+                             "model.dtype='bfloat16'")
+        if self.model.dtype != "float32":
+            raise ValueError(f"learner.autocast={self.learner.autocast!r} runs bf16 matmuls over fp32 master "
+                             f"weights, but model.dtype is {self.model.dtype!r}; set model.dtype='float32' "
+                             "or learner.autocast='none'")
+        return self

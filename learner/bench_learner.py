@@ -3,8 +3,9 @@
 `bench_learner` builds a random Llama/Qwen2-shaped checkpoint (`BenchShape`), one random minibatch of
 groups, and times `steps` optimizer steps after `warmup` untimed ones, returning a JSON-able dict.
 The megatron backend needs CUDA (megatron-core hard-codes it) and a process group of TP ranks
-(torchrun for TP > 1); the torch backend runs on CPU or one GPU. The same batch and objective for both,
-so their numbers compare directly.
+(torchrun for TP > 1); the torch backend runs on CPU or one GPU, in the weights' dtype ('torch')
+or under bf16 autocast over fp32 weights ('torch-autocast', `learner.autocast=bfloat16`). The same
+batch and objective for all, so their numbers compare directly.
 
 What it does not do: read configs or print (the CLI does), generate with an engine (the behaviour
 log-probs are random near the model's), or measure weight sync.
@@ -87,14 +88,21 @@ def random_batch(batch: BenchBatch, vocab_size: int, seed: int = 0) -> StepInput
 def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: torch.dtype,
            micro_batch_tokens: int, megatron: MegatronConfig) -> TorchLearner:
     optim = OptimConfig(lr=1e-6)
-    if backend == "torch":
+    if backend in ("torch", "torch-autocast"):
         from transformers import AutoModelForCausalLM
 
         from learner.varlen_attention import register_varlen_sdpa
 
+        autocast = None
+        if backend == "torch-autocast":
+            if dtype != torch.float32:
+                raise ValueError("torch-autocast is bf16 autocast over fp32 weights; "
+                                 "run it with dtype=float32")
+            autocast = torch.bfloat16
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
         model.set_attn_implementation(register_varlen_sdpa())
-        return TorchLearner(model, algo, optim, micro_batch_tokens=micro_batch_tokens)
+        return TorchLearner(model, algo, optim, micro_batch_tokens=micro_batch_tokens,
+                            autocast_dtype=autocast)
     if not device.startswith("cuda"):
         raise ValueError("the megatron learner benchmark needs CUDA (megatron-core hard-codes torch.cuda); "
                          "use device='cuda' or backend='torch'")
@@ -112,7 +120,7 @@ def _peak_memory_mib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (KiB on Linux)
 
 
-def bench_learner(backend: Literal["torch", "megatron"], *, device: str = "cpu",
+def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, device: str = "cpu",
                   shape: BenchShape | None = None, batch: BenchBatch | None = None,
                   objective: Literal["grpo", "vcpo"] = "grpo",
                   dtype: Literal["float32", "bfloat16"] = "float32", micro_batch_tokens: int = 4096,

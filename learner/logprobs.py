@@ -11,6 +11,8 @@ both call `packed_target_logprobs` and weight its output themselves.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
@@ -22,6 +24,20 @@ PACKING_AWARE_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flas
 and `attention_mask=None`: sdpa/eager through the dense block-diagonal mask HF builds in
 `masking_utils.find_packed_sequence_indices`; flash through varlen `cu_seqlens` derived from
 `position_ids`; `VARLEN_SDPA` by construction. sdpa, eager and `VARLEN_SDPA` are tested on CPU."""
+
+
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bfloat16": torch.bfloat16}
+"""`learner.autocast` → the dtype `autocast` takes."""
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
+    """`torch.autocast` on `device` in `dtype` (bf16 matmuls over fp32 weights); a no-op for None.
+
+    Only forwards run inside it: the backward replays the forward's dtypes, and the log-softmax of the
+    targets is fp32 either way (`token_logprobs` upcasts the logits)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 class _TargetLogprobs(torch.autograd.Function):

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from learner.grad_buffers import GroupBuffers, grad_of
-from learner.logprobs import packed_target_logprobs, trajectory_logliks
+from learner.logprobs import autocast, packed_target_logprobs, trajectory_logliks
 from learner.packing import PackedMicroBatch
 from learner.traj_grad_handlers import ApplyPlan, MicroBatchState
 from learner.traj_grad_hooks import PackedGradHooks
@@ -132,18 +132,21 @@ def accumulate_opob_grad_packed(
     baseline_fn: BaselineFn,
     *,
     dense_cost_flops: float | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> OpobGradResult:
     """OPOB gradient on packed micro-batches: one forward and one backward each, exact norms.
 
     `microbatches` (on the model device) hold each of the `B` trajectories once;
     `reward_coefs`/`baseline_coefs`: (B,) `a_i`/`s_i`, indexed by `trajectory_indices`.
-    `dense_cost_flops` overrides `DENSE_COST_FLOPS` for the model's device type. Raises
+    `dense_cost_flops` overrides `DENSE_COST_FLOPS` for the model's device type. `autocast_dtype`: run
+    the forwards under autocast in that dtype (weight gradients are then taken in it, as autograd's
+    would be, and accumulated in the weights' dtype; norms are summed in fp32). Raises
     `UnsupportedParameterError` (naming them) if some trainable parameter has no hook. Hooks
     and `requires_grad` flags are always restored; after an exception `.grad` is partial.
     """
     num_trajectories = _check_coefs(reward_coefs, baseline_coefs)
     schedule = _GroupSchedule.build(microbatches, num_trajectories)
-    hooks = PackedGradHooks(model)
+    hooks = PackedGradHooks(model, autocast_dtype)
     cost = (
         dense_cost_flops if dense_cost_flops is not None else DENSE_COST_FLOPS.get(hooks.device.type, 2048.0)
     )
@@ -183,12 +186,15 @@ def _apply_plan(state: MicroBatchState, closing: list[int], baselines: dict[int,
     return ApplyPlan(grad_coefs, tuple((g, tuple(js)) for g, js in open_members.items()))
 
 
-def _trajectory_grads(model: nn.Module, single: PackedMicroBatch, params: list[nn.Parameter]) -> list[Tensor]:
+def _trajectory_grads(model: nn.Module, single: PackedMicroBatch, params: list[nn.Parameter],
+                      autocast_dtype: torch.dtype | None = None) -> list[Tensor]:
     """`∇ℓ` of a one-trajectory micro-batch for `params` by plain autograd (zeros where unused)."""
     if single.target_positions.numel() == 0:
         return [torch.zeros_like(p) for p in params]
     with torch.enable_grad():
-        loglik = trajectory_logliks(packed_target_logprobs(model, single), single)[0]
+        with autocast(single.input_ids.device, autocast_dtype):
+            logprobs = packed_target_logprobs(model, single)
+        loglik = trajectory_logliks(logprobs, single)[0]
         grads = torch.autograd.grad(loglik, params, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
 
@@ -201,6 +207,7 @@ def accumulate_opob_grad_per_trajectory(
     baseline_fn: BaselineFn,
     *,
     counts_in_norm: Callable[[nn.Parameter], bool] | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> OpobGradResult:
     """The reference OPOB gradient: one forward/backward per trajectory, two buffers.
 
@@ -223,7 +230,7 @@ def accumulate_opob_grad_per_trajectory(
     for m, batch in enumerate(microbatches):
         for j in range(batch.num_trajectories):
             index, group = int(batch.trajectory_indices[j]), int(batch.group_ids[j])
-            grads = _trajectory_grads(model, batch.select(j), params)
+            grads = _trajectory_grads(model, batch.select(j), params, autocast_dtype)
             terms = [(g.float() * g.float()).sum() for g, c in zip(grads, counted, strict=True) if c]
             sq_norms[index] = torch.stack(terms).sum() if terms else 0.0
             reward_coef, baseline_coef = float(reward_coefs[index]), float(baseline_coefs[index])

@@ -12,6 +12,7 @@ import torch
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
 from learner.compose import task_runtime
+from learner.logprobs import AUTOCAST_DTYPES
 from learner.torch_learner import TorchLearner
 from learner.trainer import TrainSummary, train
 from learner.varlen_attention import register_varlen_sdpa
@@ -42,7 +43,9 @@ def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Torch
         model.gradient_checkpointing_enable()
     return TorchLearner(model, config.algo, config.optim,
                         micro_batch_tokens=config.learner.micro_batch_tokens,
-                        temperature=task.loop.temperature)
+                        temperature=task.loop.temperature,
+                        autocast_dtype=AUTOCAST_DTYPES[config.learner.autocast],
+                        autocast_proximal=config.learner.autocast_proximal)
 
 
 async def run_training(

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from configs.schema import AlgoConfig, OptimConfig
 from learner.algorithm import build_lr_scale_rule, build_objective
-from learner.logprobs import packed_target_logprobs, packed_target_stats
+from learner.logprobs import autocast, packed_target_logprobs, packed_target_stats
 from learner.opob_grad import BaselineFn, accumulate_opob_grad_packed, accumulate_opob_grad_per_trajectory
 from learner.packing import (
     PackedMicroBatch,
@@ -85,8 +85,15 @@ class TorchLearner:
     """Owns the trained model, its optimizer and the algorithm objects (see the module docstring)."""
 
     def __init__(self, model: nn.Module, algo: AlgoConfig, optim: OptimConfig, *, micro_batch_tokens: int,
-                 temperature: float = 1.0) -> None:
+                 temperature: float = 1.0, autocast_dtype: torch.dtype | None = None,
+                 autocast_proximal: bool = False) -> None:
         self.model = model.train()
+        self.autocast_dtype = autocast_dtype
+        """Gradient forwards under autocast in this dtype (bf16 matmuls, fp32 weights, grads and
+        optimizer); None = the weights' dtype throughout."""
+        self.autocast_proximal = autocast_proximal
+        """Also the no-grad proximal forward (log π_old: IS weights, ESS, VCPO's coefficients). Off, those
+        stay in the weights' dtype, so an fp32 engine's ratios at lag 0 stay exactly 1."""
         self.algo, self.optim_config = algo, optim
         self.objective = build_objective(algo)
         self.lr_rule = build_lr_scale_rule(algo)
@@ -209,16 +216,22 @@ class TorchLearner:
                 values += [logprob for logprob, is_sampled in pairs if is_sampled]
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 
-    def _logprobs(self, model: nn.Module | None, mb: PackedMicroBatch) -> Tensor:
+    def _logprobs(self, model: nn.Module | None, mb: PackedMicroBatch, *, proximal: bool = True) -> Tensor:
+        """Target log-probs; `proximal`: the no-grad pass (autocast only with `autocast_proximal`)."""
         if mb.target_positions.numel() == 0:
             return torch.zeros(0, device=self.device)
-        return packed_target_logprobs(model, mb, temperature=self.temperature)
+        with autocast(self.device, self._forward_dtype(proximal)):
+            return packed_target_logprobs(model, mb, temperature=self.temperature)
 
     def _target_stats(self, mb: PackedMicroBatch) -> tuple[Tensor, Tensor]:
         if mb.target_positions.numel() == 0:
             empty = torch.zeros(0, device=self.device)
             return empty, empty
-        return packed_target_stats(self.model, mb, temperature=self.temperature)
+        with autocast(self.device, self._forward_dtype(proximal=True)):
+            return packed_target_stats(self.model, mb, temperature=self.temperature)
+
+    def _forward_dtype(self, proximal: bool) -> torch.dtype | None:
+        return None if proximal and not self.autocast_proximal else self.autocast_dtype
 
     def _objective_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor, lags: Tensor) -> None:
         num_units = full.num_units(self.objective.loss_aggregation)
@@ -228,7 +241,8 @@ class TorchLearner:
             pad = full.padding[index]
             local = mb.trajectory_indices
             inputs = PolicyLossInputs(
-                logprobs=pad(self._logprobs(self.model, mb)), old_logprobs=pad(full.old[index]),
+                logprobs=pad(self._logprobs(self.model, mb, proximal=False)),
+                old_logprobs=pad(full.old[index]),
                 behavior_logprobs=pad(full.behavior[index]), loss_mask=pad.mask, rewards=rewards[local],
                 group_ids=group_ids[local], lags=lags[local],
                 ref_logprobs=pad(full.ref[index]) if full.ref is not None else None, num_units=num_units,
@@ -274,7 +288,8 @@ class TorchLearner:
         model-parallel backend overrides to complete the per-shard norms across its ranks."""
         accumulate = (accumulate_opob_grad_packed if self.algo.objective.opob.grad_norm_path == "fast"
                       else accumulate_opob_grad_per_trajectory)
-        return accumulate(self.model, microbatches, reward_coefs, baseline_coefs, baseline_fn).sq_norms
+        return accumulate(self.model, microbatches, reward_coefs, baseline_coefs, baseline_fn,
+                          autocast_dtype=self.autocast_dtype).sq_norms
 
     def _finish(self, lr_scale: float) -> float:
         parameters = [p for p in self.model.parameters() if p.grad is not None]

@@ -198,6 +198,9 @@ class _Hooked:
         self.name = name
         self._state: MicroBatchState | None = None
         self._x: Tensor | None = None
+        self._source: Tensor | None = None
+        """The forward input as the module received it (before an autocast cast): layers reading one
+        tensor (q/k/v, gate/up) share its Gram matrices, keyed by its address."""
         self._delta: Tensor | None = None
 
     @property
@@ -207,7 +210,7 @@ class _Hooked:
 
     def bind(self, state: MicroBatchState | None) -> None:
         """Start a micro-batch (or, with None, drop every saved tensor)."""
-        self._state, self._x, self._delta = state, None, None
+        self._state, self._x, self._source, self._delta = state, None, None, None
         self.clear()
 
     def clear(self) -> None:
@@ -221,13 +224,18 @@ class _Hooked:
                 f"{self.name} ran more than once in one forward pass; calling a module several times is "
                 "not supported by the packed path, use accumulate_opob_grad_per_trajectory"
             )
-        self._x = args[0].detach()
+        self._x = self._source = args[0].detach()
         if output.requires_grad:
             output.register_hook(self._on_output_grad)
 
     def _on_output_grad(self, grad: Tensor) -> None:
         self._delta = grad.detach().reshape(-1, grad.shape[-1])
+        if self._x.dtype != self._delta.dtype and self._x.is_floating_point():
+            # Under autocast the module computed in the output's dtype (e.g. bf16 from an fp32
+            # residual stream): the weight gradient is taken in that dtype too, as autograd's would be.
+            self._x = self._x.to(self._delta.dtype)
         self.on_backward(self._delta, self._x.reshape(-1, self._x.shape[-1]))
+        self._source = None  # a Gram cache entry that needs it holds its own reference
 
     def on_backward(self, delta: Tensor, x: Tensor) -> None:
         raise NotImplementedError
@@ -275,9 +283,10 @@ class LinearHandler(_Hooked):
             (self._gram if cheap else dense).append(j)
         if self._gram:
             segments = tuple(self._segments[j] for j in self._gram)
-            key = (x.data_ptr(), tuple(x.shape), segments)
-            if key not in state.gram_cache:  # the entry holds `x`, so its address cannot be reused
-                state.gram_cache[key] = (x, _segment_grams(x, segments))
+            source = self._source
+            key = (source.data_ptr(), tuple(source.shape), x.dtype, segments)
+            if key not in state.gram_cache:  # the entry holds `source`, so its address cannot be reused
+                state.gram_cache[key] = (source, _segment_grams(x, segments))
             norms = (state.gram_cache[key][1] * _segment_grams(delta, segments)).sum((1, 2))
             state.sq_norms.index_add_(0, torch.tensor(self._gram, device=norms.device), norms)
         tied_rows = {}
@@ -343,9 +352,12 @@ class LinearHandler(_Hooked):
         else:
             x = x * row_coefs
         dtype = self.weight.dtype if target is None else target.dtype
+        if delta.dtype != dtype:  # autocast: the GEMM in the compute dtype, accumulated in the weight's
+            product = torch.mm(delta.T, x.to(delta.dtype)).to(dtype)
+            return product if target is None else target.add_(product)
         if target is None:
-            return torch.mm(delta.T.to(dtype), x.to(dtype))
-        return target.addmm_(delta.T.to(dtype), x.to(dtype))
+            return torch.mm(delta.T, x.to(dtype))
+        return target.addmm_(delta.T, x.to(dtype))
 
 
 def _apply_per_trajectory(

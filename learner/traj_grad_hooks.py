@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from learner.logprobs import packed_target_logprobs
+from learner.logprobs import autocast, packed_target_logprobs
 from learner.traj_grad_handlers import (
     RMS_NORM_CLASSES,
     ApplyPlan,
@@ -52,7 +52,7 @@ def _embedding_problem(module: nn.Embedding) -> str | None:
 class PackedGradHooks:
     """Per-trajectory gradient hooks on `model` while the context is active (see module docstring)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None) -> None:
         if getattr(model, "is_gradient_checkpointing", False):
             raise ValueError(
                 "gradient checkpointing is on; the packed per-trajectory path needs one forward per "
@@ -60,6 +60,8 @@ class PackedGradHooks:
                 "accumulate_opob_grad_per_trajectory"
             )
         self.model = model
+        self.autocast_dtype = autocast_dtype
+        """Run the forward under `torch.autocast` in this dtype (None: in the weights' dtype)."""
         self.embedding_module: nn.Embedding = model.get_input_embeddings()
         self.hooked: list[tuple[nn.Module, LinearHandler | RMSNormHandler]] = []
         self.embedding: EmbeddingHandler | None = None
@@ -143,7 +145,8 @@ class PackedGradHooks:
             return
         with torch.enable_grad():
             embedded = self.embedding_module(batch.input_ids).detach().requires_grad_(True)
-            logprobs = packed_target_logprobs(self.model, batch, inputs_embeds=embedded)
+            with autocast(self.device, self.autocast_dtype):
+                logprobs = packed_target_logprobs(self.model, batch, inputs_embeds=embedded)
             loss = (logprobs * batch.target_weights[batch.target_positions]).sum()
             loss.backward()
         if self.embedding is not None and embedded.grad is not None:

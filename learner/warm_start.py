@@ -39,6 +39,7 @@ from agent_env.samples import Sample
 from agent_env.turns import format_observation
 from configs.schema import RunConfig, WarmStartConfig
 from configs.task_schema import TaskConfig
+from learner.logprobs import AUTOCAST_DTYPES, autocast
 from rollout.tiny import padded_sft_batch
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ def warm_start_dir(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Path
     """Cache folder of the warm-started model for these settings (any change → a new folder)."""
     settings = {"model": config.model.path, "dtype": config.model.dtype, "task": task.model_dump(mode="json"),
                 "warm_start": config.warm_start.model_dump(mode="json"), "seed": config.seed}
+    if config.learner.autocast != "none":  # absent otherwise: fp32 caches from before it stay valid
+        settings["autocast"] = config.learner.autocast
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir / "warm_start" / key
 
@@ -117,6 +120,7 @@ def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_d
     model = load_causal_lm(config.model.path, cache_dir, torch.float32, device_name).train()
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    compute_dtype = AUTOCAST_DTYPES[config.learner.autocast]  # the RL learner's mixed precision
     generator = random.Random(config.seed)
     started = time.perf_counter()
     losses: list[float] = []
@@ -127,8 +131,9 @@ def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_d
         for first in range(0, len(order), settings.batch_size):
             batch = [examples[i] for i in order[first: first + settings.batch_size]]
             ids, attention, labels = padded_sft_batch(batch, tokenizer.pad_token_id or 0)
-            loss = model(input_ids=ids.to(device), attention_mask=attention.to(device),
-                         labels=labels.to(device)).loss
+            with autocast(device, compute_dtype):
+                loss = model(input_ids=ids.to(device), attention_mask=attention.to(device),
+                             labels=labels.to(device)).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

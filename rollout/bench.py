@@ -92,6 +92,7 @@ def run_engine_bench(
         }
         for backend, numbers in result["backends"].items()
     }
+    result["decode_bound"] = _decode_bound(model_dir, dtype, result)
     default = "vllm" if "vllm" in result["backends"] else "hf"
     result["target"] = {
         "backend": default,
@@ -102,6 +103,57 @@ def run_engine_bench(
         },
     }
     return result
+
+
+def memory_read_gbps(size_mib: int = 1024, repeats: int = 5) -> float:
+    """Best-of-`repeats` memory read bandwidth of this process's torch threads, GB/s: a sum over a
+    `size_mib` float32 tensor (far larger than any cache), so every byte comes from DRAM."""
+    import torch
+
+    data = torch.ones(size_mib * 2**20 // 4)
+    float(data.sum())  # touch every page first
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        float(data.sum())
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best / 1e9
+
+
+def _decode_bound(model_dir: Path, dtype: str, result: dict[str, Any]) -> dict[str, Any]:
+    """The memory-bandwidth roofline of one decode stream: every generated token reads every weight
+    once, so one sequence cannot exceed bandwidth / weight bytes tokens/s, whatever the engine. Reports
+    each engine's c=1 rate as a fraction of that bound (batching shares one weight read across the
+    batch, which is where an engine can pull ahead of HF generate)."""
+    from safetensors import safe_open
+
+    element = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    sizes: dict[str, int] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(file, "pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                sizes[name] = _numel(handle.get_slice(name).get_shape())
+    if "lm_head.weight" in sizes:  # untied: a token reads one input-embedding row, not the table
+        sizes = {name: n for name, n in sizes.items() if not name.endswith("embed_tokens.weight")}
+    parameters = sum(sizes.values())
+    if parameters == 0:
+        return {"error": f"no *.safetensors weights in {model_dir}"}
+    gbps = memory_read_gbps()
+    bound = gbps * 1e9 / (parameters * element)
+    rates = {"hf_generate": result["hf_generate"]["tokens_per_s"].get("1")}
+    rates.update({name: numbers["tokens_per_s"].get("1") for name, numbers in result["backends"].items()})
+    return {
+        "memory_read_gbps": round(gbps, 1), "weight_bytes": parameters * element,
+        "tokens_per_s_c1": round(bound, 1),
+        "fraction_of_bound_c1": {name: round(rate / bound, 2) for name, rate in rates.items() if rate},
+    }
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 def _build(backend: str, model_dir: Path, dtype: str, max_concurrency: int) -> InferenceEngine:

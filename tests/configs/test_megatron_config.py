@@ -38,3 +38,15 @@ def test_unsupported_megatron_layouts_name_the_field_and_the_fix(fields: dict, f
 def test_a_typo_in_the_megatron_section_is_an_error() -> None:
     with pytest.raises(ValidationError, match="tensor_parallel_size"):
         LearnerConfig.model_validate({"megatron": {"tensor_parallel_size": 2}})
+
+
+@pytest.mark.parametrize(("fields", "fix"), [
+    ({"model": {"dtype": "bfloat16"}, "learner": {"autocast": "bfloat16"}},
+     "over fp32 master weights, but model.dtype is 'bfloat16'; set model.dtype='float32'"),
+    ({"learner": {"backend": "megatron", "autocast": "bfloat16"}},
+     "megatron has its own mixed precision .* set learner.autocast='none' and model.dtype='bfloat16'"),
+])
+def test_bf16_autocast_needs_fp32_weights_and_the_torch_learner(fields: dict, fix: str) -> None:
+    with pytest.raises(ValidationError, match=fix):
+        RunConfig.model_validate(fields)
+    assert RunConfig.model_validate({"learner": {"autocast": "bfloat16"}}).learner.autocast == "bfloat16"

@@ -33,7 +33,7 @@ def test_megatron_bench_on_cpu_says_what_to_do() -> None:
 
 def test_cli_bench_learner_reports_each_backend_and_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "learner.json"
-    overrides = ["backends=[torch,megatron]", "device=cpu", "kind=qwen2", "vocab_size=128",
+    overrides = ["backends=[torch,torch-autocast,megatron]", "device=cpu", "kind=qwen2", "vocab_size=128",
                  "hidden_size=32", "intermediate_size=64", "num_hidden_layers=1", "num_attention_heads=2",
                  "num_key_value_heads=1", "groups=2", "group_size=2", "tokens=24", "sampled=16", "steps=2"]
     assert main(["bench", "learner", "--out", str(out), *overrides]) == 0
@@ -41,3 +41,6 @@ def test_cli_bench_learner_reports_each_backend_and_the_ratio(tmp_path: Path) ->
     torch_row, megatron_row = result["results"]["torch"], result["results"]["megatron"]
     assert torch_row["vs_torch"] == 1.0 and torch_row["tokens_per_step"] == 96
     assert "needs CUDA" in megatron_row["error"]  # no GPU here: the row says why instead of a number
+    autocast_row = result["results"]["torch-autocast"]
+    assert autocast_row["vs_torch"] == pytest.approx(torch_row["step_s_mean"] / autocast_row["step_s_mean"],
+                                                     abs=0.001)

@@ -131,14 +131,17 @@ def _on_policy_group(model: torch.nn.Module, good: list[int], bad: list[int], ma
     return out
 
 
-@pytest.mark.parametrize("objective", ALL_OBJECTIVES)
-def test_on_policy_steps_make_the_rewarded_answer_more_likely(objective: str) -> None:
+@pytest.mark.parametrize(("objective", "autocast"), [*((o, None) for o in ALL_OBJECTIVES),
+                                                     ("vcpo", torch.bfloat16), ("grpo", torch.bfloat16)])
+def test_on_policy_steps_make_the_rewarded_answer_more_likely(objective: str, autocast: torch.dtype | None
+                                                              ) -> None:
     # the sign test: whatever else an objective does, ascending it on on-policy samples must raise
-    # the likelihood of the rewarded answer relative to the unrewarded one
+    # the likelihood of the rewarded answer relative to the unrewarded one (also with bf16 autocast)
     model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa(), seed=0).train()
     algo = AlgoConfig.model_validate({"objective": {"type": objective}, "ess_lr": {"enabled": False},
                                       "group_size": 4})
-    learner = TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=4096)
+    learner = TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=4096,
+                           autocast_dtype=autocast)
     prompt, mask = [5, 6, 7, 8], [False] * 4 + [True] * 3
     good, bad = [*prompt, 10, 11, 12], [*prompt, 20, 21, 22]
 
@@ -151,6 +154,46 @@ def test_on_policy_steps_make_the_rewarded_answer_more_likely(objective: str) ->
     for _ in range(3):
         learner.step(StepInput(_on_policy_group(model, good, bad, mask), [0] * 4, [0] * 4, [True] * 4))
     assert margin() > before + 0.1
+
+
+@pytest.mark.parametrize("objective", ["vcpo", "grpo", "token_tis"])
+def test_bf16_autocast_step_is_the_fp32_step_up_to_bf16_rounding(objective: str) -> None:
+    """learner.autocast=bfloat16: gradients within bf16 rounding of the fp32 ones (and not equal to
+    them: autocast was in effect), while the proximal pass stays fp32, so every IS statistic — hence
+    the step size and VCPO's coefficients — is identical."""
+    tokens = random_trajectories(num_groups=2, per_group=4, seed=2)
+    trajectories, groups = _as_trajectories(tokens, seed=3)
+    algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": 4})
+    step = StepInput(trajectories, groups, [1] * len(tokens), [True] * len(tokens))
+    exact, mixed = _learner(algo), _learner(algo)
+    mixed.autocast_dtype = torch.bfloat16
+    exact_grads, mixed_grads = _capture_grads(exact), _capture_grads(mixed)
+    exact_metrics, mixed_metrics = exact.step(step), mixed.step(step)
+    for key in ("is/ess_ratio", "is/w_max", "lr/scale", "is/log_w_mean"):
+        assert mixed_metrics[key] == exact_metrics[key], key
+    errors = {name: float((mixed_grads[name] - grad).norm() / grad.norm())
+              for name, grad in exact_grads.items() if grad.norm() > 0}
+    assert max(errors.values()) < 5e-2, errors
+    assert max(errors.values()) > 1e-4
+    assert all(g.dtype == torch.float32 for g in mixed_grads.values())
+
+
+@pytest.mark.parametrize("autocast_proximal", [False, True])
+def test_autocast_keeps_on_policy_ratios_exact_unless_the_proximal_pass_is_bf16_too(
+    autocast_proximal: bool,
+) -> None:
+    model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa(), seed=0).train()
+    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo"}, "group_size": 4})
+    learner = TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=4096,
+                           autocast_dtype=torch.bfloat16, autocast_proximal=autocast_proximal)
+    prompt, mask = [5, 6, 7, 8], [False] * 4 + [True] * 3
+    group = _on_policy_group(model, [*prompt, 10, 11, 12], [*prompt, 20, 21, 22], mask)  # fp32 behaviour
+    metrics = learner.step(StepInput(group, [0] * 4, [0] * 4, [True] * 4))
+    if autocast_proximal:
+        assert metrics["is/log_w_mean"] != 0.0 and metrics["is/ess_ratio"] < 1.0
+    else:
+        assert metrics["is/ess_ratio"] == pytest.approx(1.0, abs=1e-6)
+        assert metrics["is/log_w_mean"] == pytest.approx(0.0, abs=1e-5)
 
 
 def test_otb_statistics_match_a_full_softmax() -> None:
@@ -192,16 +235,18 @@ def test_lr_schedule_warms_up_then_decays() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_learner_takes_vcpo_and_grpo_steps(dtype: torch.dtype) -> None:
-    """GPU smoke test: the same steps on CUDA (fp32 and bf16 weights) give finite metrics and move
-    the weights."""
+@pytest.mark.parametrize(("dtype", "autocast"), [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.float32, torch.bfloat16)])
+def test_cuda_learner_takes_vcpo_and_grpo_steps(dtype: torch.dtype, autocast: torch.dtype | None) -> None:
+    """GPU smoke test: the same steps on CUDA (fp32 weights, bf16 weights, fp32 weights under bf16
+    autocast) give finite metrics and move the weights."""
     tokens = random_trajectories(num_groups=2, per_group=4, seed=5)
     trajectories, groups = _as_trajectories(tokens, seed=6)
     for objective in ("vcpo", "grpo"):
         algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": 4})
         model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa()).to("cuda", dtype).train()
-        learner = TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=64)
+        learner = TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=64,
+                               autocast_dtype=autocast)
         before = [p.detach().clone() for p in model.parameters()]
         metrics = learner.step(StepInput(trajectories, groups, [1] * len(tokens), [True] * len(tokens)))
         assert math.isfinite(metrics["grad/norm"]) and metrics["grad/norm"] > 0

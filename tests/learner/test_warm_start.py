@@ -59,6 +59,18 @@ def test_warm_start_lowers_the_loss_and_is_cached(tmp_path: Path, tiny_model_dir
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_warm_start_under_bf16_autocast_lowers_the_loss_and_has_its_own_cache(tmp_path: Path,
+                                                                              tiny_model_dir: Path) -> None:
+    task, path = _task()
+    fields = {"model": {"path": str(tiny_model_dir)}, "task": str(path),
+              "warm_start": {"enabled": True, "examples": 8, "epochs": 3, "lr": 3e-3, "batch_size": 4}}
+    config = RunConfig.model_validate({**fields, "learner": {"autocast": "bfloat16"}})
+    out = run_warm_start(config, task, path, tmp_path)
+    assert out != warm_start_dir(RunConfig.model_validate(fields), task, tmp_path)  # fp32 SFT: another model
+    report = json.loads((out / "warm_start.json").read_text())
+    assert report["last_loss"] < report["first_loss"]
+
+
 @needs_bwrap
 def test_train_with_warm_start_runs_rl_from_the_warm_model(tmp_path: Path, tiny_model_dir: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:

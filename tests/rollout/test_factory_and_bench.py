@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import TypeAdapter, ValidationError
+from transformers import AutoModelForCausalLM
 
 from rollout import factory
 from rollout.bench import run_engine_bench
@@ -102,3 +103,14 @@ def test_bench_reports_tokens_per_s_against_hf_generate(tiny_model_dir: Path, tm
     assert result["speedup_vs_hf_generate"]["hf"]["2"] == pytest.approx(ratio, abs=0.0051)
     assert result["unavailable"] == {}
     assert result["target"]["backend"] in ("hf", "vllm") and result["target"]["speedup"] == 2.5
+    # the c=1 roofline counts the bytes a decode step reads: every weight once (the input embedding
+    # table only when it is not also the output layer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    read = {id(p): p.numel() for name, p in model.named_parameters()
+            if model.config.tie_word_embeddings or "embed_tokens" not in name}
+    bound = result["decode_bound"]
+    assert bound["weight_bytes"] == 4 * sum(read.values())
+    assert bound["memory_read_gbps"] > 0.5
+    assert bound["tokens_per_s_c1"] == pytest.approx(bound["memory_read_gbps"] * 1e9 / bound["weight_bytes"],
+                                                    rel=0.01)
+    assert set(bound["fraction_of_bound_c1"]) == {"hf_generate", "hf"}
