@@ -564,12 +564,14 @@ class LearnerConfig(StrictModel):
     micro_batch_tokens: int = Field(2048, ge=1)
     """Token budget of a packed micro-batch; activation memory ∝ this (≈ 2 GB per 1k tokens for a
     135M fp32 model). VCPO splits groups across micro-batches; other objectives keep groups whole."""
-    autocast: Literal["none", "bfloat16"] = "none"
+    autocast: Literal["none", "bfloat16", "auto"] = "none"
     """Mixed precision of the torch learner over fp32 weights (model.dtype='float32'): 'bfloat16' runs
     the gradient forward/backward under torch.autocast (bf16 matmuls and weight gradients, fp32
     log-softmax, gradients accumulated and the optimizer stepped in fp32; VCPO's per-trajectory norms
-    summed in fp32). On a CPU with AMX/AVX-512-BF16 or any recent GPU it is the fast path; the gradient
-    carries bf16 rounding (~1e-2 relative). 'none': everything in model.dtype."""
+    summed in fp32). On a CPU with AVX-512-BF16/AMX or a recent GPU it is the fast path; the gradient
+    carries bf16 rounding (~1e-2 relative). 'none': everything in model.dtype. 'auto': 'bfloat16' where
+    the learner's device does bf16 in hardware and the weights are fp32 on the torch backend, else
+    'none' (emulated bf16 is slower than fp32). The warm start uses the same setting."""
     autocast_proximal: bool = False
     """With autocast: also run the no-grad proximal forward (log π_old, hence IS weights, ESS and VCPO's
     coefficients) in bf16. Off keeps them exact against an fp32 engine (ESS ratio 1 at lag 0); on saves
@@ -696,7 +698,7 @@ class RunConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_autocast(self) -> RunConfig:
-        if self.learner.autocast == "none":
+        if self.learner.autocast in ("none", "auto"):  # 'auto' resolves to 'none' where it cannot apply
             return self
         if self.learner.backend == "megatron":
             raise ValueError("learner.autocast applies to the torch learner; megatron has its own mixed "

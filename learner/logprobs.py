@@ -26,8 +26,23 @@ and `attention_mask=None`: sdpa/eager through the dense block-diagonal mask HF b
 `position_ids`; `VARLEN_SDPA` by construction. sdpa, eager and `VARLEN_SDPA` are tested on CPU."""
 
 
-AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bfloat16": torch.bfloat16}
-"""`learner.autocast` → the dtype `autocast` takes."""
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` does bf16 matmuls in hardware (CUDA with bf16; a CPU with AVX-512-BF16 or AMX).
+    Elsewhere bf16 is emulated and slower than fp32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        capabilities = torch.cpu.get_capabilities()
+        return any(capabilities.get(flag) for flag in ("avx512_bf16", "amx_bf16", "bf16"))
+    return False
+
+
+def autocast_dtype(spec: str, device: torch.device) -> torch.dtype | None:
+    """`learner.autocast` on `device`: 'bfloat16' → bf16; 'auto' → bf16 where `native_bf16`, else None;
+    'none' → None."""
+    if spec == "bfloat16" or (spec == "auto" and native_bf16(device)):
+        return torch.bfloat16
+    return None
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:

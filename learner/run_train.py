@@ -12,7 +12,7 @@ import torch
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
 from learner.compose import task_runtime
-from learner.logprobs import AUTOCAST_DTYPES
+from learner.logprobs import autocast_dtype
 from learner.torch_learner import TorchLearner
 from learner.trainer import TrainSummary, train
 from learner.varlen_attention import register_varlen_sdpa
@@ -28,6 +28,14 @@ def learner_device(spec: str) -> str:
     return spec
 
 
+def learner_autocast(config: RunConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype `learner.autocast` resolves to for the torch learner's fp32 weights on `device`
+    (None: no autocast — also for megatron, whose mixed precision is model.dtype)."""
+    if config.learner.backend != "torch" or config.model.dtype != "float32":
+        return None
+    return autocast_dtype(config.learner.autocast, device)
+
+
 def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> TorchLearner:
     """The learner's own model copy (packing-aware attention) and optimizer, on `learner.backend`."""
     if config.learner.backend == "megatron":
@@ -41,10 +49,13 @@ def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Torch
     model.set_attn_implementation(register_varlen_sdpa())
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    autocast = learner_autocast(config, next(model.parameters()).device)
+    log.info("learner: %s weights, autocast %s (learner.autocast=%s)", config.model.dtype,
+             autocast or "off", config.learner.autocast)
     return TorchLearner(model, config.algo, config.optim,
                         micro_batch_tokens=config.learner.micro_batch_tokens,
                         temperature=task.loop.temperature,
-                        autocast_dtype=AUTOCAST_DTYPES[config.learner.autocast],
+                        autocast_dtype=autocast,
                         autocast_proximal=config.learner.autocast_proximal)
 
 

@@ -58,3 +58,24 @@ def test_unknown_attention_implementation_is_rejected() -> None:
     model.config._attn_implementation = "some_custom_kernel"
     with pytest.raises(ValueError, match="isolate packed trajectories"):
         check_packing_aware(model)
+
+
+def test_autocast_auto_is_bf16_only_where_the_hardware_does_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    from configs.schema import RunConfig
+    from learner.logprobs import autocast_dtype
+    from learner.run_train import learner_autocast
+
+    cpu = torch.device("cpu")
+    assert autocast_dtype("none", cpu) is None and autocast_dtype("bfloat16", cpu) is torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True, "avx2": True})
+    assert autocast_dtype("auto", cpu) is torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": False, "avx2": True})
+    assert autocast_dtype("auto", cpu) is None  # emulated bf16 would be slower than fp32
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": True})
+    config = RunConfig.model_validate({"learner": {"autocast": "auto"}})
+    assert learner_autocast(config, cpu) is torch.bfloat16
+    # where autocast cannot apply, 'auto' means off (no error, unlike an explicit 'bfloat16')
+    megatron = {"learner": {"backend": "megatron", "autocast": "auto"}}
+    for fields in ({"model": {"dtype": "bfloat16"}}, megatron):
+        fields.setdefault("learner", {"autocast": "auto"})
+        assert learner_autocast(RunConfig.model_validate(fields), cpu) is None
