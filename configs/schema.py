@@ -642,6 +642,9 @@ class WarmStartConfig(StrictModel):
     """AdamW learning rate of the SFT."""
     batch_size: int = Field(8, ge=1)
     """Demonstrations per SFT step (padded; ~300 tokens each for Countdown)."""
+    autocast: Literal["none", "bfloat16", "auto"] = "none"
+    """Mixed precision of the SFT over fp32 weights, as learner.autocast. Off by default: the shipped
+    default run was measured from an fp32 warm start (docs/results.md); a bf16 one is a different model."""
 
 
 class TrainerConfig(StrictModel):

@@ -39,7 +39,7 @@ from agent_env.samples import Sample
 from agent_env.turns import format_observation
 from configs.schema import RunConfig, WarmStartConfig
 from configs.task_schema import TaskConfig
-from learner.logprobs import autocast
+from learner.logprobs import autocast, autocast_dtype
 from rollout.tiny import padded_sft_batch
 
 log = logging.getLogger(__name__)
@@ -94,17 +94,15 @@ def _device() -> torch.device:
 
 
 def _autocast(config: RunConfig) -> torch.dtype | None:
-    """The SFT runs in fp32 weights (whatever model.dtype), under the RL learner's autocast setting."""
-    from learner.run_train import learner_autocast
-
-    return learner_autocast(config.model_copy(update={"model": config.model.model_copy(
-        update={"dtype": "float32"})}), _device())
+    """The SFT trains fp32 weights (whatever model.dtype), under `warm_start.autocast`."""
+    return autocast_dtype(config.warm_start.autocast, _device())
 
 
 def warm_start_dir(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Path:
     """Cache folder of the warm-started model for these settings (any change → a new folder)."""
     settings = {"model": config.model.path, "dtype": config.model.dtype, "task": task.model_dump(mode="json"),
-                "warm_start": config.warm_start.model_dump(mode="json"), "seed": config.seed}
+                "warm_start": config.warm_start.model_dump(mode="json", exclude={"autocast"}),
+                "seed": config.seed}
     if _autocast(config) is not None:  # absent otherwise: fp32 caches from before it stay valid
         settings["autocast"] = "bfloat16"
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -131,7 +129,7 @@ def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_d
     model = load_causal_lm(config.model.path, cache_dir, torch.float32, _device().type).train()
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
-    compute_dtype = _autocast(config)  # the RL learner's mixed precision
+    compute_dtype = _autocast(config)
     generator = random.Random(config.seed)
     started = time.perf_counter()
     losses: list[float] = []

@@ -64,7 +64,8 @@ def test_warm_start_under_bf16_autocast_lowers_the_loss_and_has_its_own_cache(tm
     task, path = _task()
     fields = {"model": {"path": str(tiny_model_dir)}, "task": str(path),
               "warm_start": {"enabled": True, "examples": 8, "epochs": 3, "lr": 3e-3, "batch_size": 4}}
-    config = RunConfig.model_validate({**fields, "learner": {"autocast": "bfloat16"}})
+    config = RunConfig.model_validate({**fields, "warm_start": {**fields["warm_start"],
+                                                                 "autocast": "bfloat16"}})
     out = run_warm_start(config, task, path, tmp_path)
     assert out != warm_start_dir(RunConfig.model_validate(fields), task, tmp_path)  # fp32 SFT: another model
     report = json.loads((out / "warm_start.json").read_text())
