@@ -90,6 +90,15 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="PNG path (default: RUN_DIR/dashboard.png; with several runs: ./compare.png)")
     plot.set_defaults(handler=_plot)
 
+    trend = commands.add_parser("trend", help="is a run learning? per-block reward and success rate, and the "
+                                              "success-rate trend with a bootstrap CI (JSON)")
+    trend.add_argument("run_dir", type=Path)
+    trend.add_argument("--block", type=int, default=10, help="steps per block (default 10)")
+    trend.add_argument("--success", type=float, default=1.0,
+                       help="an episode succeeds when its reward is at least this (default 1.0)")
+    trend.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    trend.set_defaults(handler=_trend)
+
     train = commands.add_parser(
         "train", help="train asynchronously (resumes from RUN_DIR's newest checkpoint)")
     train.add_argument("config", type=Path, nargs="?", default=Path("configs/default.yaml"),
@@ -116,6 +125,18 @@ def _build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
     evaluate.set_defaults(handler=_eval)
     return parser
+
+
+def _trend(args: argparse.Namespace) -> int:
+    from learner.trend import TrendError, reward_trend
+
+    try:
+        result = reward_trend(args.run_dir, block=args.block, success=args.success, resamples=args.resamples)
+    except (TrendError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2))
+    return 0
 
 
 def _cache_dir() -> Path:

@@ -1,0 +1,93 @@
+"""`vcpo trend RUN_DIR`: is a run learning? Block statistics and a trend with an honest interval.
+
+Reads `run_dir/trajectories.jsonl` (one line per trained episode, with its `step` and `reward`) and
+reports, per block of `block` steps, the mean reward and the share of *successful* episodes (reward ≥
+`success`, e.g. 1.0 for Countdown, where a boxed but wrong equation scores the 0.1 format reward); then
+the least-squares slope of the per-episode success indicator against the step, scaled to the change of
+the success rate over 100 steps (0.09 = +9 points), with a percentile bootstrap interval that resamples whole steps (the
+episodes of one step share a policy and prompts, so they are not independent draws).
+
+What it does not do: read metrics.jsonl, plot (`vcpo plot` does), or decide anything: an interval that
+excludes 0 says the success rate rose over the run more than step-to-step noise explains, nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+TRAJECTORIES_FILE = "trajectories.jsonl"
+
+
+class TrendError(ValueError):
+    """The run directory has no usable trajectory log."""
+
+
+def read_step_rewards(run_dir: Path) -> dict[int, list[float]]:
+    """step → rewards of the episodes trained at that step. A torn last line (a run killed mid-write,
+    or one still writing) is dropped; a bad line elsewhere raises naming it."""
+    path = Path(run_dir) / TRAJECTORIES_FILE
+    if not path.is_file():
+        raise TrendError(f"{path} does not exist: `vcpo trend` needs a run trained with "
+                         "trainer.save_trajectories=true (the default)")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+    steps: dict[int, list[float]] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line) if line.endswith("\n") else None
+            step, reward = int(record["step"]), float(record["reward"])
+        except (json.JSONDecodeError, TypeError, KeyError, ValueError):
+            if number == len(lines):
+                continue
+            raise TrendError(f"{path}:{number} is not a trajectory record with 'step' and 'reward' "
+                             f"({line[:80]!r}); the file was damaged or edited — remove that line") from None
+        steps.setdefault(step, []).append(reward)
+    if not steps:
+        raise TrendError(f"{path} holds no complete trajectory record yet")
+    return steps
+
+
+def _slope(points: list[tuple[int, float]]) -> float:
+    """Least-squares slope of y on x; 0 when every x is the same."""
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    if sxx == 0:
+        return 0.0
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
+
+
+def reward_trend(run_dir: Path, *, block: int = 10, success: float = 1.0, resamples: int = 2000,
+                 seed: int = 0) -> dict[str, Any]:
+    """The block table and the success-rate trend of `run_dir` (see the module docstring), JSON-able."""
+    if block < 1 or resamples < 1:
+        raise ValueError(f"block and resamples must be ≥ 1 (got block={block}, resamples={resamples})")
+    steps = read_step_rewards(run_dir)
+    order = sorted(steps)
+    hits = {step: [1.0 if r >= success else 0.0 for r in rewards] for step, rewards in steps.items()}
+    blocks = []
+    for first in range(0, len(order), block):
+        members = order[first: first + block]
+        rewards = [r for step in members for r in steps[step]]
+        wins = sum(h for step in members for h in hits[step])
+        blocks.append({"steps": [members[0], members[-1]], "episodes": len(rewards),
+                       "reward_mean": round(sum(rewards) / len(rewards), 4), "successes": int(wins),
+                       "success_rate": round(wins / len(rewards), 4)})
+
+    def slope_of(sample: list[int]) -> float:
+        return 100.0 * _slope([(step, h) for step in sample for h in hits[step]])
+
+    rng = random.Random(seed)
+    boots = sorted(slope_of([rng.choice(order) for _ in order]) for _ in range(resamples))
+    low, high = boots[int(0.025 * (resamples - 1))], boots[int(0.975 * (resamples - 1))]
+    return {
+        "run_dir": str(run_dir), "steps": len(order), "episodes": sum(len(v) for v in steps.values()),
+        "success_threshold": success, "block": block, "blocks": blocks,
+        "first_block": blocks[0], "last_block": blocks[-1],
+        "success_rate_change_per_100_steps": round(slope_of(order), 4),
+        "ci95_change_per_100_steps": [round(low, 4), round(high, 4)], "bootstrap_resamples": resamples,
+    }
