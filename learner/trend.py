@@ -3,9 +3,9 @@
 Reads `run_dir/trajectories.jsonl` (one line per trained episode, with its `step` and `reward`) and
 reports, per block of `block` steps, the mean reward and the share of *successful* episodes (reward ≥
 `success`, e.g. 1.0 for Countdown, where a boxed but wrong equation scores the 0.1 format reward); then
-the least-squares slope of the per-episode success indicator against the step, scaled to the change of
-the success rate over 100 steps (0.09 = +9 points), with a percentile bootstrap interval that resamples whole steps (the
-episodes of one step share a policy and prompts, so they are not independent draws).
+the least-squares slope of the per-episode success indicator against the step, scaled to the change
+of the success rate over 100 steps (0.09 = +9 points), with a percentile bootstrap interval that
+resamples whole steps (the episodes of one step share a policy and prompts: not independent draws).
 
 What it does not do: read metrics.jsonl, plot (`vcpo plot` does), or decide anything: an interval that
 excludes 0 says the success rate rose over the run more than step-to-step noise explains, nothing more.

@@ -55,6 +55,7 @@ def run_engine_bench(
     backends: Sequence[str] = ("hf", "vllm"),
     min_requests: int = 16,
     dtype: str = "float32",
+    vllm_use_eager: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; returns a JSON-able dict (see the module docstring for the method)."""
@@ -78,12 +79,14 @@ def run_engine_bench(
     result: dict[str, Any] = {
         "model": model_spec,
         "dtype": dtype,
+        "vllm_use_eager": vllm_use_eager,
         "max_new_tokens": max_new_tokens,
         "torch_threads": torch.get_num_threads(),
         "requests_per_concurrency": {str(c): n for c, n in plan.items()},
     }
 
-    measured = asyncio.run(_bench_all(model_dir, dtype, backends, prompts, plan, max_new_tokens, say))
+    measured = asyncio.run(_bench_all(model_dir, dtype, backends, prompts, plan, max_new_tokens, say,
+                                      vllm_use_eager))
     result.update(measured)
     result["speedup_vs_hf_generate"] = {
         backend: {
@@ -156,7 +159,8 @@ def _numel(shape: Sequence[int]) -> int:
     return count
 
 
-def _build(backend: str, model_dir: Path, dtype: str, max_concurrency: int) -> InferenceEngine:
+def _build(backend: str, model_dir: Path, dtype: str, max_concurrency: int, vllm_use_eager: bool = True
+           ) -> InferenceEngine:
     if backend == "hf":
         from rollout.hf_engine import HFEngine
         from rollout.settings import HFEngineSettings
@@ -168,7 +172,8 @@ def _build(backend: str, model_dir: Path, dtype: str, max_concurrency: int) -> I
 
         return VLLMEngine(
             model_dir,
-            VLLMEngineSettings(dtype=dtype, max_model_len=1024, max_num_seqs=max(32, max_concurrency)),
+            VLLMEngineSettings(dtype=dtype, max_model_len=1024, max_num_seqs=max(32, max_concurrency),
+                               use_eager=vllm_use_eager),
         )
     raise AssertionError(backend)  # run_engine_bench validated the names
 
@@ -181,6 +186,7 @@ async def _bench_all(
     plan: dict[int, int],
     max_new_tokens: int,
     say: Callable[[str], None],
+    vllm_use_eager: bool = True,
 ) -> dict[str, Any]:
     """Start every engine, then per concurrency measure each engine and HF generate back to back (so a
     busy spell on a shared machine hits all of them alike), then time weight pushes."""
@@ -193,7 +199,8 @@ async def _bench_all(
             say(f"starting {backend}")
             started = time.perf_counter()
             try:
-                engine = await stack.enter_async_context(_build(backend, model_dir, dtype, max(plan)))
+                engine = await stack.enter_async_context(_build(backend, model_dir, dtype, max(plan),
+                                                                vllm_use_eager))
                 await _serve(engine, prompts, 2, 2, 8, "warmup")
             except (EngineError, ImportError) as exc:
                 unavailable[backend] = str(exc)

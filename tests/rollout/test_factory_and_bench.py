@@ -114,3 +114,11 @@ def test_bench_reports_tokens_per_s_against_hf_generate(tiny_model_dir: Path, tm
     assert bound["tokens_per_s_c1"] == pytest.approx(bound["memory_read_gbps"] * 1e9 / bound["weight_bytes"],
                                                     rel=0.01)
     assert set(bound["fraction_of_bound_c1"]) == {"hf_generate", "hf"}
+
+
+@pytest.mark.parametrize("use_eager", [True, False])
+def test_bench_builds_vllm_in_the_requested_compile_mode(tiny_model_dir: Path, use_eager: bool) -> None:
+    from rollout.bench import _build
+
+    engine = _build("vllm", tiny_model_dir, "float32", 8, vllm_use_eager=use_eager)  # not started
+    assert engine._settings.use_eager is use_eager and engine._settings.max_num_seqs == 32
