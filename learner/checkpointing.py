@@ -49,23 +49,32 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, permissions, I/O error); the previous one is intact."""
+
+
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], meta: dict[str, Any], keep: int) -> Path:
-    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep`. Returns its dir."""
+    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep`. Returns its dir.
+
+    If writing fails (e.g. the disk is full) the partial copy is deleted at once — it would hold the
+    space the user has to free — and `CheckpointWriteError` says which checkpoint is still `latest`."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    with open(tmp / "state.pt", "wb") as handle:
-        torch.save(state, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    with open(tmp / "meta.json", "w") as handle:
-        json.dump({**meta, "step": step}, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    _fsync_dir(tmp)
+    try:
+        tmp.mkdir()
+        _write_files(tmp, step, state, meta)
+    except (OSError, RuntimeError) as exc:  # torch.save reports a short write as RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(run_dir)
+        free = shutil.disk_usage(root).free / 2**30
+        raise CheckpointWriteError(
+            f"could not write checkpoint step {step} under {root} ({type(exc).__name__}: {exc}); "
+            f"{free:.1f} GiB free there. The newest complete checkpoint is "
+            f"{previous.name if previous else 'none'}, untouched: free disk space (or fix the directory's "
+            "permissions) and rerun the same command to resume from it") from exc
     if final.exists():  # a re-run of the same step after a resume: replace it
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -78,6 +87,19 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], meta: dict[
     _fsync_dir(root)
     _prune(root, keep, final.name)
     return final
+
+
+def _write_files(tmp: Path, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    """state.pt and meta.json into `tmp`, each fsynced, then the directory."""
+    with open(tmp / "state.pt", "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    with open(tmp / "meta.json", "w") as handle:
+        json.dump({**meta, "step": step}, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _fsync_dir(tmp)
 
 
 def _prune(root: Path, keep: int, newest: str) -> None:

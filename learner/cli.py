@@ -37,12 +37,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from agent_env.datasets import DatasetError
     from agent_env.rewards import RewardConfigError
     from configs.loader import ConfigError
+    from learner.checkpointing import CheckpointWriteError
     from rollout.errors import EngineUnavailable
     from rollout.models import ModelLoadError
     from tools.base import ToolConfigError, ToolUnavailableError
 
     user_errors = (ConfigError, ModelLoadError, DatasetError, RewardConfigError, ToolConfigError,
-                   ToolUnavailableError, EngineUnavailable)
+                   ToolUnavailableError, EngineUnavailable, CheckpointWriteError)
     try:
         return int(args.handler(args) or 0)
     except user_errors as exc:
