@@ -13,6 +13,7 @@ Nothing here knows about actors or engines; `learner/ray_launcher.py` calls both
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -64,14 +65,8 @@ class Bucket:
 
     @property
     def numel(self) -> int:
-        return sum(_numel(shape) for _, _, shape in self.members)
+        return sum(math.prod(shape) for _, _, shape in self.members)
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def plan_buckets(specs: list[WeightSpec], bucket_mb: int) -> list[Bucket]:
@@ -82,7 +77,7 @@ def plan_buckets(specs: list[WeightSpec], bucket_mb: int) -> list[Bucket]:
     current: list[WeightSpec] = []
     size = 0
     for spec in specs:
-        nbytes = _numel(spec[2]) * torch.empty(0, dtype=getattr(torch, spec[1])).element_size()
+        nbytes = math.prod(spec[2]) * torch.empty(0, dtype=getattr(torch, spec[1])).element_size()
         if current and (spec[1] != current[0][1] or size + nbytes > limit):
             buckets.append(Bucket(current[0][1], tuple(current)))
             current, size = [], 0
@@ -118,7 +113,7 @@ def receive_weights(group: WeightGroup, specs: list[WeightSpec], bucket_mb: int,
         dist.broadcast(flat, src=0, group=group.group)
         offset = 0
         for name, _, shape in bucket.members:
-            count = _numel(shape)
+            count = math.prod(shape)
             out.append((name, flat[offset : offset + count].view(shape)))
             offset += count
     return out

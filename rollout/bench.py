@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -135,7 +136,7 @@ def _decode_bound(model_dir: Path, dtype: str, result: dict[str, Any]) -> dict[s
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(file, "pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                sizes[name] = _numel(handle.get_slice(name).get_shape())
+                sizes[name] = math.prod(handle.get_slice(name).get_shape())
     if "lm_head.weight" in sizes:  # untied: a token reads one input-embedding row, not the table
         sizes = {name: n for name, n in sizes.items() if not name.endswith("embed_tokens.weight")}
     parameters = sum(sizes.values())
@@ -151,12 +152,6 @@ def _decode_bound(model_dir: Path, dtype: str, result: dict[str, Any]) -> dict[s
         "fraction_of_bound_c1": {name: round(rate / bound, 2) for name, rate in rates.items() if rate},
     }
 
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _build(backend: str, model_dir: Path, dtype: str, max_concurrency: int, vllm_use_eager: bool = True
