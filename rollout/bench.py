@@ -56,7 +56,7 @@ def run_engine_bench(
     backends: Sequence[str] = ("hf", "vllm"),
     min_requests: int = 16,
     dtype: str = "float32",
-    vllm_use_eager: bool = True,
+    vllm_use_eager: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; returns a JSON-able dict (see the module docstring for the method)."""
@@ -154,7 +154,7 @@ def _decode_bound(model_dir: Path, dtype: str, result: dict[str, Any]) -> dict[s
 
 
 
-def _build(backend: str, model_dir: Path, dtype: str, max_concurrency: int, vllm_use_eager: bool = True
+def _build(backend: str, model_dir: Path, dtype: str, max_concurrency: int, vllm_use_eager: bool = False
            ) -> InferenceEngine:
     if backend == "hf":
         from rollout.hf_engine import HFEngine
@@ -181,7 +181,7 @@ async def _bench_all(
     plan: dict[int, int],
     max_new_tokens: int,
     say: Callable[[str], None],
-    vllm_use_eager: bool = True,
+    vllm_use_eager: bool = False,
 ) -> dict[str, Any]:
     """Start every engine, then per concurrency measure each engine and HF generate back to back (so a
     busy spell on a shared machine hits all of them alike), then time weight pushes."""

@@ -50,11 +50,16 @@ class ResolvedModel:
     is_local: bool
 
 
+def vcpo_cache_root() -> Path:
+    """`$VCPO_CACHE_DIR`, else `~/.cache/vcpo`: converted models, warm starts, vLLM's compiled graphs."""
+    root = os.environ.get("VCPO_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "vcpo"
+
+
 def default_cache_dir() -> Path:
     """`$VCPO_CACHE_DIR/models`, else `~/.cache/vcpo/models`. Entry points call this; libraries
     take the cache directory as an argument."""
-    root = os.environ.get("VCPO_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "vcpo") / "models"
+    return vcpo_cache_root() / "models"
 
 
 def find_default_gguf() -> Path:

