@@ -509,11 +509,12 @@ class RolloutConfig(StrictModel):
 class MegatronConfig(StrictModel):
     """`learner.backend: megatron` (learner/megatron_learner.py): a megatron-core GPT built from the HF
     Llama/Qwen2 checkpoint (weights in and out through mbridge), trained by the same step as the torch
-    learner on one torch.distributed group of tensor × pipeline × context parallel ranks."""
+    learner on a torch.distributed world of DP × tensor × pipeline × context parallel ranks (DP = world
+    size / (TP × PP × CP) data-parallel replicas, each training whole groups of the minibatch)."""
 
     tensor_model_parallel_size: int = Field(1, ge=1)
-    """TP: shards of every linear layer and of the vocabulary; the world size must be TP × PP × CP
-    (there is no data parallelism: every rank sees the whole minibatch)."""
+    """TP: shards of every linear layer and of the vocabulary; the world size must be a multiple of
+    TP × PP × CP (the quotient is the number of data-parallel replicas)."""
     pipeline_model_parallel_size: int = Field(1, ge=1)
     """PP: pipeline stages. Only 1 is supported (the learner's per-trajectory autograd needs the whole
     model on each rank)."""
@@ -524,7 +525,8 @@ class MegatronConfig(StrictModel):
     activation memory); needs tensor_model_parallel_size > 1 and transformer_impl='transformer_engine'."""
     use_distributed_optimizer: bool = False
     """megatron's DistributedOptimizer: fp32 master weights and Adam moments sharded over data-parallel
-    ranks. With no data parallelism (one replica) it holds the same state as the plain optimizer."""
+    ranks (gradients reduce-scattered, updated weights all-gathered). With one replica it holds the same
+    state as the plain optimizer."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """'local': megatron's pure-torch layers (CPU or GPU); packed trajectories are kept apart by a
     block-diagonal causal mask (memory ∝ micro_batch_tokens²). 'transformer_engine': TE layers with packed
@@ -598,8 +600,10 @@ class RayConfig(StrictModel):
     rollout_gpus: float = Field(0.0, ge=0)
     """GPUs per rollout worker (a vLLM/SGLang engine with tensor parallelism t needs t)."""
     learner_ranks: int = Field(1, ge=1)
-    """Learner actors: 1 for learner.backend='torch'; for 'megatron' one per model-parallel rank
-    (tensor × pipeline × context parallel size; every rank takes part in each step and weight export)."""
+    """Learner actors. learner.backend='torch': data-parallel replicas (each trains whole groups of the
+    step; gradients summed, identical updates; ≤ rollout.groups_per_step). 'megatron': one per
+    model-parallel rank (tensor × pipeline × context parallel size; every rank takes part in each step
+    and weight export)."""
     learner_cpus: float = Field(1.0, ge=0)
     """CPUs reserved per learner rank."""
     learner_gpus: float = Field(0.0, ge=0)

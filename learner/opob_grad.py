@@ -76,7 +76,11 @@ class _GroupSchedule:
     last: dict[int, tuple[int, int]]
 
     @staticmethod
-    def build(microbatches: Sequence[PackedMicroBatch], num_trajectories: int) -> _GroupSchedule:
+    def build(microbatches: Sequence[PackedMicroBatch], reward_coefs: Tensor,
+              baseline_coefs: Tensor) -> _GroupSchedule:
+        """A trajectory may be left out only with both coefficients zero (another data-parallel rank's:
+        its norm is then reported as 0)."""
+        num_trajectories = reward_coefs.shape[0]
         seen: dict[int, int] = {}
         members: dict[int, list[int]] = {}
         last: dict[int, tuple[int, int]] = {}
@@ -94,8 +98,10 @@ class _GroupSchedule:
                 members.setdefault(group, []).append(index)
                 last[group] = (m, j)
         if len(seen) != num_trajectories:
-            missing = sorted(set(range(num_trajectories)) - set(seen))
-            raise ValueError(f"trajectories {missing[:8]} have coefficients but are in no micro-batch")
+            live = ((reward_coefs != 0) | (baseline_coefs != 0)).nonzero().flatten().tolist()
+            missing = sorted(set(live) - set(seen))
+            if missing:
+                raise ValueError(f"trajectories {missing[:8]} have coefficients but are in no micro-batch")
         return _GroupSchedule({g: torch.tensor(sorted(ix)) for g, ix in members.items()}, last)
 
     def closing_after(self, microbatch: int) -> list[int]:
@@ -145,7 +151,7 @@ def accumulate_opob_grad_packed(
     and `requires_grad` flags are always restored; after an exception `.grad` is partial.
     """
     num_trajectories = _check_coefs(reward_coefs, baseline_coefs)
-    schedule = _GroupSchedule.build(microbatches, num_trajectories)
+    schedule = _GroupSchedule.build(microbatches, reward_coefs, baseline_coefs)
     hooks = PackedGradHooks(model, autocast_dtype)
     cost = (
         dense_cost_flops if dense_cost_flops is not None else DENSE_COST_FLOPS.get(hooks.device.type, 2048.0)
@@ -220,7 +226,7 @@ def accumulate_opob_grad_per_trajectory(
     the sum over ranks counts each parameter once. `.grad` is left untouched if it raises.
     """
     num_trajectories = _check_coefs(reward_coefs, baseline_coefs)
-    schedule = _GroupSchedule.build(microbatches, num_trajectories)
+    schedule = _GroupSchedule.build(microbatches, reward_coefs, baseline_coefs)
     params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
     counted = [counts_in_norm is None or counts_in_norm(p) for p in params]
     ascent = {p: torch.zeros_like(p) for p in params}

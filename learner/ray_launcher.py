@@ -318,13 +318,17 @@ async def _await_ref(ref: Any) -> Any:
 
 
 class RayLearnerGroup:
-    """The driver's learner: every call goes to all ranks; rank 0's answer is the result."""
+    """The driver's learner: every call goes to all ranks; rank 0's answer is the result.
+
+    `replicated`: the ranks are data-parallel replicas (the torch learner), identical after every step,
+    so a checkpoint holds rank 0's state once and a resume hands it to every rank (any number of them).
+    Otherwise (megatron) each rank holds its own shard and the checkpoint holds them all."""
 
     device = torch.device("cpu")
     """Where checkpoints are loaded on the driver before being sent to the ranks."""
 
-    def __init__(self, ranks: list[Any], timeout_s: float) -> None:
-        self.ranks, self.timeout_s = ranks, timeout_s
+    def __init__(self, ranks: list[Any], timeout_s: float, replicated: bool = False) -> None:
+        self.ranks, self.timeout_s, self.replicated = ranks, timeout_s, replicated
 
     def current_weights(self) -> WeightsHandle | None:
         return self.call_all("current_weights")[0]
@@ -347,10 +351,17 @@ class RayLearnerGroup:
         return RemoteWeights(self)
 
     def state_dict(self) -> dict[str, Any]:
+        if self.replicated:
+            return {"replica": ray_module().get(self.ranks[0].state_dict.remote(), timeout=self.timeout_s)}
         return {"ranks": self.call_all("state_dict")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        ranks = state["ranks"]
+        if "replica" in state:
+            ranks = [state["replica"]] * len(self.ranks)
+        elif self.replicated and len(state["ranks"]) == 1:  # a one-rank run resumed data-parallel
+            ranks = state["ranks"] * len(self.ranks)
+        else:
+            ranks = state["ranks"]
         if len(ranks) != len(self.ranks):
             raise RayLaunchError(f"the checkpoint has {len(ranks)} learner ranks, this layout "
                                  f"{len(self.ranks)}; resume with the same ray.learner_ranks")
@@ -368,17 +379,27 @@ def check_layout(config: RunConfig) -> None:
     """Layout errors that need no cluster (the config names the field and the fix)."""
     ray_config = config.ray
     backend = getattr(config.learner, "backend", "torch")
-    if backend == "torch" and ray_config.learner_ranks != 1:
-        raise RayLaunchError(f"ray.learner_ranks={ray_config.learner_ranks}: the torch learner trains on one "
-                             "rank; set ray.learner_ranks=1, or learner.backend=megatron for several")
+    if backend == "torch" and ray_config.learner_ranks > config.rollout.groups_per_step:
+        raise RayLaunchError(
+            f"ray.learner_ranks={ray_config.learner_ranks}: the torch learner's ranks are data-parallel "
+            "replicas that each train whole groups, and a step has only "
+            f"rollout.groups_per_step={config.rollout.groups_per_step}; set ray.learner_ranks ≤ "
+            "rollout.groups_per_step (ideally a divisor of it)")
     if backend == "megatron":
         layout = config.learner.megatron
         world = (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
                  * layout.context_parallel_size)
-        if ray_config.learner_ranks != world:
+        replicas, rest = divmod(ray_config.learner_ranks, world)
+        if rest or not replicas:
             raise RayLaunchError(f"ray.learner_ranks={ray_config.learner_ranks}, but learner.megatron's "
                                  f"tensor × pipeline × context parallel size is {world}: set "
-                                 f"ray.learner_ranks={world}")
+                                 f"ray.learner_ranks to a multiple of {world} (the multiple is the number of "
+                                 "data-parallel replicas)")
+        if replicas > config.rollout.groups_per_step:
+            raise RayLaunchError(f"ray.learner_ranks={ray_config.learner_ranks} makes {replicas} data-"
+                                 "parallel megatron replicas, each training whole groups, but a step has "
+                                 f"only rollout.groups_per_step={config.rollout.groups_per_step}; lower "
+                                 "ray.learner_ranks")
     if ray_config.placement == "colocated":
         if ray_config.rollout_workers != ray_config.learner_ranks:
             raise RayLaunchError("ray.placement=colocated pairs rollout worker i with learner rank i: set "
@@ -550,7 +571,8 @@ async def run_training_ray(config: RunConfig, task: TaskConfig, task_path: Path,
     tokenizer = load_tokenizer(config.model.path, cache_dir)
     with ray_session(config.ray, run_dir) as ray:
         actors = await _start_actors(ray, config, task, task_path, settings, cache_dir, run_name)
-        learners = RayLearnerGroup(actors.ranks, config.ray.call_timeout_s)
+        learners = RayLearnerGroup(actors.ranks, config.ray.call_timeout_s,
+                                   replicated=config.learner.backend == "torch")
         pool = RayRolloutPool(actors.workers, config.ray, task, tokenizer, learners, actors.skipped_samples)
         try:
             return await train(config, pool, learners, run_dir, progress=progress,

@@ -12,6 +12,7 @@ import torch
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
 from learner.compose import task_runtime
+from learner.data_parallel import join_data_parallel_from_env
 from learner.logprobs import autocast_dtype
 from learner.torch_learner import TorchLearner
 from learner.trainer import TrainSummary, train
@@ -37,7 +38,9 @@ def learner_autocast(config: RunConfig, device: torch.device) -> torch.dtype | N
 
 
 def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> TorchLearner:
-    """The learner's own model copy (packing-aware attention) and optimizer, on `learner.backend`."""
+    """The learner's own model copy (packing-aware attention) and optimizer, on `learner.backend`. Started
+    as one of several ranks (the Ray launcher's torch learner ranks, torchrun), it is one data-parallel
+    replica."""
     if config.learner.backend == "megatron":
         from learner.megatron_learner import build_megatron_learner
 
@@ -49,14 +52,16 @@ def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Torch
     model.set_attn_implementation(register_varlen_sdpa())
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    autocast = learner_autocast(config, next(model.parameters()).device)
+    device = next(model.parameters()).device
+    autocast = learner_autocast(config, device)
     log.info("learner: %s weights, autocast %s (learner.autocast=%s)", config.model.dtype,
              autocast or "off", config.learner.autocast)
     return TorchLearner(model, config.algo, config.optim,
                         micro_batch_tokens=config.learner.micro_batch_tokens,
                         temperature=task.loop.temperature,
                         autocast_dtype=autocast,
-                        autocast_proximal=config.learner.autocast_proximal)
+                        autocast_proximal=config.learner.autocast_proximal,
+                        data_parallel=join_data_parallel_from_env(device))
 
 
 async def run_training(

@@ -10,6 +10,10 @@ A step (VCPO.md):
    (one update per minibatch, so that is exactly the state the gradient was taken at);
 5. clip, lr = schedule(step) × rule(ESS or lag), AdamW step.
 
+Data parallel (`data_parallel`, learner/data_parallel.py): every rank gets the whole minibatch, trains
+its share of whole groups, and the proximal log-probs, VCPO's norms and the gradient are summed across
+ranks, so every replica takes the single-process step.
+
 What it does not do: talk to engines, read config files, or decide which trajectories to use
 (the trainer applies the task's filters by passing `is_trained`). A model-parallel backend reuses this
 step and overrides three seams — `_build_optimizer`, `_accumulate_opob` (norms summed across shards)
@@ -33,6 +37,7 @@ from torch import Tensor, nn
 
 from configs.schema import AlgoConfig, OptimConfig
 from learner.algorithm import build_lr_scale_rule, build_objective
+from learner.data_parallel import DataParallel, assign_groups
 from learner.logprobs import autocast, packed_target_logprobs, packed_target_stats
 from learner.opob_grad import BaselineFn, accumulate_opob_grad_packed, accumulate_opob_grad_per_trajectory
 from learner.packing import (
@@ -86,8 +91,10 @@ class TorchLearner:
 
     def __init__(self, model: nn.Module, algo: AlgoConfig, optim: OptimConfig, *, micro_batch_tokens: int,
                  temperature: float = 1.0, autocast_dtype: torch.dtype | None = None,
-                 autocast_proximal: bool = False) -> None:
+                 autocast_proximal: bool = False, data_parallel: DataParallel | None = None) -> None:
         self.model = model.train()
+        self.data_parallel = data_parallel
+        """None: one process. Else this replica's rank among the data-parallel ones (module docstring)."""
         self.autocast_dtype = autocast_dtype
         """Gradient forwards under autocast in this dtype (bf16 matmuls, fp32 weights, grads and
         optimizer); None = the weights' dtype throughout."""
@@ -151,26 +158,34 @@ class TorchLearner:
         """One optimizer step on `batch`; returns its metrics (floats, and lists for histograms)."""
         size = len(batch.trajectories)
         tokens = self._tokens(batch)
-        microbatches = self._pack(tokens)
+        ranked = self._pack_ranked(tokens)
+        microbatches = [mb for mb, _ in ranked]
+        rank = self.data_parallel.rank if self.data_parallel is not None else 0
+        mine = [owner == rank for _, owner in ranked]
         rewards = torch.tensor([t.reward for t in batch.trajectories], dtype=torch.float32,
                                device=self.device)
         group_ids = torch.tensor(list(batch.group_ids), dtype=torch.long, device=self.device)
         lags = torch.tensor(list(batch.lags), dtype=torch.long, device=self.device)
         behavior = [self._behavior(batch.trajectories, mb) for mb in microbatches]
         sum_sq = None
-        with torch.no_grad():
+        with torch.no_grad():  # each rank its own micro-batches; zeros stand in for the others' until _share
             if self.objective.needs_sum_probs_squared:  # OTB: Σ_v π_old(v)² from the same forward
-                stats = [self._target_stats(mb) for mb in microbatches]
-                old, sum_sq = [lp for lp, _ in stats], [sq for _, sq in stats]
+                stats = [self._target_stats(mb) if own else (self._zeros(mb), self._zeros(mb))
+                         for mb, own in zip(microbatches, mine, strict=True)]
+                old, sum_sq = self._share([lp for lp, _ in stats]), self._share([sq for _, sq in stats])
             else:
-                old = [self._logprobs(self.model, mb) for mb in microbatches]
-            ref = [self._logprobs(self.reference, mb) for mb in microbatches] if self.reference else None
+                old = self._share([self._logprobs(self.model, mb) if own else self._zeros(mb)
+                                   for mb, own in zip(microbatches, mine, strict=True)])
+            ref = None
+            if self.reference is not None:
+                ref = self._share([self._logprobs(self.reference, mb) if own else self._zeros(mb)
+                                   for mb, own in zip(microbatches, mine, strict=True)])
         full = _FullBatch(microbatches, size, old, behavior, ref, self.device, sum_sq)
         norms = None
         if self.objective.needs_grad_norms:
-            norms = self._vcpo_gradient(full, rewards, group_ids)
+            norms = self._vcpo_gradient(full, rewards, group_ids, mine)
         else:
-            self._objective_gradient(full, rewards, group_ids, lags)
+            self._objective_gradient(full, rewards, group_ids, lags, mine)
         with torch.no_grad():
             output = self.objective(full.inputs(full.old, rewards, group_ids, lags, norms))
             lr_scale = self.lr_rule(StepSizeInputs(output.log_is_weights, output.valid, lags))
@@ -182,7 +197,27 @@ class TorchLearner:
                         "train/trajectories": size, "train/micro_batches": len(microbatches),
                         "train/nonfinite_trajectories": int(output.counts.nonfinite_trajectories),
                         "train/degenerate_groups": int(output.counts.degenerate_groups)})
+        if self.data_parallel is not None:
+            metrics.update(self._balance_metrics(ranked))
         return metrics
+
+    def _balance_metrics(self, ranked: list[tuple[PackedMicroBatch, int]]) -> dict[str, float]:
+        """Tokens per data-parallel rank this step: the busiest rank's share against a perfect split."""
+        load = [0] * self.data_parallel.world_size  # type: ignore[union-attr]
+        for mb, owner in ranked:
+            load[owner] += mb.input_ids.shape[1]
+        mean = sum(load) / len(load)
+        return {"train/dp_ranks": float(len(load)),
+                "train/dp_max_rank_tokens_over_mean": max(load) / mean if mean else 1.0}
+
+    def _zeros(self, mb: PackedMicroBatch) -> Tensor:
+        return torch.zeros(mb.target_positions.numel(), device=self.device)
+
+    def _share(self, per_microbatch: list[Tensor]) -> list[Tensor]:
+        """Each rank's own micro-batches' values, everyone else's zeros → every rank has all of them."""
+        if self.data_parallel is None:
+            return per_microbatch
+        return self.data_parallel.all_reduce_concat_(per_microbatch)
 
     def _tokens(self, batch: StepInput) -> list[TrajectoryTokens]:
         tokens = []
@@ -193,18 +228,33 @@ class TorchLearner:
         return tokens
 
     def _pack(self, tokens: list[TrajectoryTokens]) -> list[PackedMicroBatch]:
-        """VCPO's two-buffer gradient lets a group span micro-batches, so its micro-batches keep to the
+        return [mb for mb, _ in self._pack_ranked(tokens)]
+
+    def _pack_ranked(self, tokens: list[TrajectoryTokens]) -> list[tuple[PackedMicroBatch, int]]:
+        """(micro-batch, data-parallel rank that trains it), rank by rank; one process: all rank 0.
+
+        VCPO's two-buffer gradient lets a group span micro-batches, so its micro-batches keep to the
         token budget (activation memory ∝ budget). Other objectives compute group statistics inside one
-        loss call, so their micro-batches hold whole groups (over budget when a group is larger)."""
+        loss call, so their micro-batches hold whole groups (over budget when a group is larger). Either
+        way a group stays on one rank (`assign_groups`)."""
+        group_tokens: dict[int, int] = {}
+        for t in tokens:
+            group_tokens[t.group_id] = group_tokens.get(t.group_id, 0) + len(t.token_ids)
         budget = self.micro_batch_tokens
         if not self.objective.needs_grad_norms:
-            group_tokens: dict[int, int] = {}
-            for t in tokens:
-                group_tokens[t.group_id] = group_tokens.get(t.group_id, 0) + len(t.token_ids)
             budget = max(budget, max(group_tokens.values()))
-        plans = plan_microbatches([len(t.token_ids) for t in tokens], [t.group_id for t in tokens], budget)
+        world = self.data_parallel.world_size if self.data_parallel is not None else 1
+        owner = assign_groups(group_tokens, world) if world > 1 else dict.fromkeys(group_tokens, 0)
         aggregation = _PACKED_AGGREGATION.get(self.objective.loss_aggregation, "mean")
-        return [build_microbatch(tokens, plan, aggregation).to(self.device) for plan in plans]
+        ranked: list[tuple[PackedMicroBatch, int]] = []
+        for rank in range(world):
+            indices = [i for i, t in enumerate(tokens) if owner[t.group_id] == rank]
+            plans = plan_microbatches([len(tokens[i].token_ids) for i in indices],
+                                      [tokens[i].group_id for i in indices], budget) if indices else []
+            for plan in plans:
+                mb = build_microbatch(tokens, [indices[j] for j in plan], aggregation)
+                ranked.append((mb.to(self.device), rank))
+        return ranked
 
     def _behavior(self, trajectories: Sequence[Trajectory], mb: PackedMicroBatch) -> Tensor:
         """(K,) engine log-probs aligned with the micro-batch's targets (target t predicts token t+1)."""
@@ -233,10 +283,11 @@ class TorchLearner:
     def _forward_dtype(self, proximal: bool) -> torch.dtype | None:
         return None if proximal and not self.autocast_proximal else self.autocast_dtype
 
-    def _objective_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor, lags: Tensor) -> None:
+    def _objective_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor, lags: Tensor,
+                            mine: list[bool]) -> None:
         num_units = full.num_units(self.objective.loss_aggregation)
         for index, mb in enumerate(full.microbatches):
-            if mb.target_positions.numel() == 0:
+            if mb.target_positions.numel() == 0 or not mine[index]:
                 continue
             pad = full.padding[index]
             local = mb.trajectory_indices
@@ -249,8 +300,10 @@ class TorchLearner:
                 sum_probs_squared=pad(full.sum_sq[index]) if full.sum_sq is not None else None)
             self.objective(inputs).loss.backward()
 
-    def _vcpo_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """VCPO's gradient with exact per-trajectory norms; returns ‖∇ℓ_i‖² (B,)."""
+    def _vcpo_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor,
+                       mine: list[bool]) -> Tensor:
+        """VCPO's gradient with exact per-trajectory norms (this rank's groups); returns ‖∇ℓ_i‖² (B,) of
+        the whole minibatch."""
         objective = self.objective
         log_w = full.seq_log_ratios()
         counts = full.trained_counts()
@@ -279,8 +332,18 @@ class TorchLearner:
             result = aggregate(rewards[members], omega, valid[members], one_group)
             return float(result.per_trajectory[0])
 
-        live = [mb for mb in full.microbatches if mb.target_positions.numel() > 0]
-        return self._accumulate_opob(live, coefs.reward_coef.float(), coefs.baseline_coef.float(), baseline)
+        live = [mb for mb, own in zip(full.microbatches, mine, strict=True)
+                if own and mb.target_positions.numel() > 0]
+        reward_coef, baseline_coef = coefs.reward_coef.float(), coefs.baseline_coef.float()
+        if self.data_parallel is not None:  # other ranks' trajectories: not in `live`, no coefficients
+            packed = torch.zeros(full.size, dtype=torch.bool, device=self.device)
+            for mb in live:
+                packed[mb.trajectory_indices] = True
+            reward_coef, baseline_coef = reward_coef * packed, baseline_coef * packed
+        sq_norms = self._accumulate_opob(live, reward_coef, baseline_coef, baseline)
+        if self.data_parallel is None:
+            return sq_norms
+        return self.data_parallel.all_reduce_sum_(sq_norms.detach().float().clone())
 
     def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
                          baseline_coefs: Tensor, baseline_fn: BaselineFn) -> Tensor:
@@ -292,6 +355,8 @@ class TorchLearner:
                           autocast_dtype=self.autocast_dtype).sq_norms
 
     def _finish(self, lr_scale: float) -> float:
+        if self.data_parallel is not None:
+            self.data_parallel.all_reduce_grads_(list(self.model.parameters()))
         parameters = [p for p in self.model.parameters() if p.grad is not None]
         if self.optim_config.grad_clip is not None and parameters:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, self.optim_config.grad_clip))

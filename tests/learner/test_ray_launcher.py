@@ -56,9 +56,10 @@ def test_weights_round_trip_through_packing_and_buckets() -> None:
 def test_layout_errors_name_the_field_and_the_fix(tmp_path: Path) -> None:
     from learner.ray_launcher import RayLaunchError, check_layout
 
-    config = RunConfig(launcher="ray", ray=RayConfig(learner_ranks=2))
-    with pytest.raises(RayLaunchError, match=r"ray\.learner_ranks=1"):
+    config = RunConfig(launcher="ray", ray=RayConfig(learner_ranks=8))  # 4 groups per step by default
+    with pytest.raises(RayLaunchError, match=r"set ray\.learner_ranks ≤ rollout\.groups_per_step"):
         check_layout(config)
+    check_layout(RunConfig(launcher="ray", ray=RayConfig(learner_ranks=4)))  # data-parallel replicas
     config = RunConfig(launcher="ray", ray=RayConfig(placement="colocated", rollout_workers=2))
     with pytest.raises(RayLaunchError, match=r"ray\.rollout_workers equal to ray\.learner_ranks"):
         check_layout(config)
@@ -71,11 +72,12 @@ def _ray_overrides(**ray_settings: object) -> list[str]:
 @needs_bwrap
 @pytest.mark.timeout(400)
 def test_ray_train_matches_local_metrics_and_lag_bound(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """Two rollout actors + a sandbox actor + a learner actor, object-store weights, k = 1; stopped
-    after step 2 and resumed from its checkpoint (learner state per rank, rollout state on the driver)."""
+    """Two rollout actors + a sandbox actor + two data-parallel learner actors (one group each),
+    object-store weights, k = 1; stopped after step 2 and resumed from its checkpoint (the replicas'
+    state once, rollout state on the driver)."""
     config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=3)
-    overrides = _ray_overrides(num_cpus=2, rollout_workers=2, rollout_cpus=0.5, learner_cpus=0.5,
-                               sandbox_workers=1, sandbox_cpus=0.5)
+    overrides = _ray_overrides(num_cpus=2, rollout_workers=2, rollout_cpus=0.25, learner_ranks=2,
+                               learner_cpus=0.5, sandbox_workers=1, sandbox_cpus=0.5)
     first = _vcpo("train", str(config), "--no-progress", "--stop-after-step", "2", *overrides, timeout=380)
     assert first.returncode == 0, first.stderr[-4000:]
     result = _vcpo("train", str(config), "--no-progress", *overrides, timeout=380)  # resumes at step 2
@@ -92,9 +94,12 @@ def test_ray_train_matches_local_metrics_and_lag_bound(tmp_path: Path, tiny_mode
         assert not missing, missing
         assert record["staleness/max"] <= 1
         assert record["rollout/tool_calls_mean"] >= 0 and record["rollout/regenerated_groups"] == 0
+        assert record["train/dp_ranks"] == 2
     assert records[-1]["policy_version"] == 3
     checkpoint = latest_checkpoint(tmp_path / "run")
     assert checkpoint is not None and checkpoint.name == "step_000003"
+    learner_state = torch.load(checkpoint / "state.pt", weights_only=False)["learner"]
+    assert set(learner_state) == {"replica"} and learner_state["replica"]["step_count"] == 3  # stored once
     assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
     # clean shutdown: the run started its own cluster and stopped it (no raylet/actor left behind)
     assert "Traceback" not in result.stderr
