@@ -9,15 +9,20 @@ parameters is swapped in here:
   a replicated parameter (the RMSNorm weights) on TP rank 0 only, then all-reduced over the
   model-parallel group — inside the baseline callback, so every rank computes the same `b*_g`.
   (The fast packed path hooks HF modules and does not fit megatron's parallel layers.)
-* the finishing step: gradients go into megatron's DistributedDataParallel fp32 buffers; the global
-  norm (same counting) is checked for non-finite values; megatron's optimizer (Adam, decoupled
-  weight decay on every parameter as in the torch learner; `use_distributed_optimizer` shards its
-  state) clips and steps at lr = schedule(step) × rule(ESS or lag).
+* the finishing step: gradients go into megatron's DistributedDataParallel fp32 buffers and are
+  summed over the data-parallel ranks; megatron's optimizer computes the global norm (over DP shards
+  and model-parallel ranks, replicated parameters once), a non-finite norm skips the step, else it
+  clips and steps (Adam, decoupled weight decay on every parameter as in the torch learner;
+  `use_distributed_optimizer` shards its state over the DP ranks) at lr = schedule(step) × rule(ESS
+  or lag).
+* data parallelism: the world is TP × PP × CP × DP; each DP replica trains whole groups of the
+  minibatch (learner/data_parallel.py: proximal log-probs and VCPO's norms summed over the DP group),
+  so every replica takes the single-replica step.
 * weights leave in HF names through mbridge, TP shards gathered, for engines and `save_pretrained`.
 
 Every model-parallel rank must call `step`, `named_weights`, `state_dict` and `save_pretrained` with
 the same arguments in the same order (they communicate). Not supported (clear errors at
-construction): pipeline/context/data parallelism (see `MegatronConfig`), objectives needing a
+construction): pipeline/context parallelism (see `MegatronConfig`), objectives needing a
 reference model (KL, TBA), entropy bonuses, activation recomputation, float16. `state_dict` holds
 this rank's shards under megatron names: a checkpoint resumes on the same parallel layout only.
 """
@@ -37,6 +42,7 @@ from torch import Tensor
 
 from configs.schema import AlgoConfig, MegatronConfig, OptimConfig, RunConfig
 from configs.task_schema import TaskConfig
+from learner.data_parallel import DataParallel
 from learner.megatron_model import MegatronCausalLM, export_hf_weights, load_megatron_gpt
 from learner.opob_grad import BaselineFn, accumulate_opob_grad_per_trajectory
 from learner.packing import PackedMicroBatch
@@ -50,7 +56,8 @@ def init_model_parallel(megatron: MegatronConfig, *, backend: str, seed: int = 0
 
     An existing process group is used as is; otherwise ranks launched by torchrun or the Ray launcher
     rendezvous through the environment (env://, MASTER_ADDR set), and a lone process makes a world of
-    one. `backend`: 'nccl' on GPUs, 'gloo' on CPUs. The world must be exactly one model replica.
+    one. `backend`: 'nccl' on GPUs, 'gloo' on CPUs. The world holds world / (TP × PP × CP) data-parallel
+    replicas of the model.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -62,11 +69,11 @@ def init_model_parallel(megatron: MegatronConfig, *, backend: str, seed: int = 0
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     sizes = (megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
              megatron.context_parallel_size)
-    if dist.get_world_size() != math.prod(sizes):
+    if dist.get_world_size() % math.prod(sizes):
         raise ValueError(
-            f"the megatron learner runs one model replica, so the world size ({dist.get_world_size()}) must "
-            f"be tensor × pipeline × context parallel = {' × '.join(map(str, sizes))}; data parallelism is "
-            "not supported: launch that many ranks or change learner.megatron.*_parallel_size")
+            f"the world size ({dist.get_world_size()}) must be a multiple of tensor × pipeline × context "
+            f"parallel = {' × '.join(map(str, sizes))} (the quotient is the number of data-parallel "
+            "replicas): launch a multiple of that many ranks or change learner.megatron.*_parallel_size")
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_pipeline_model_parallel_world_size(),
@@ -88,6 +95,7 @@ class MegatronLearner(TorchLearner):
     def __init__(self, hf_dir: str | Path, algo: AlgoConfig, optim: OptimConfig, megatron: MegatronConfig, *,
                  micro_batch_tokens: int, temperature: float = 1.0, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
+        from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         if dtype not in (torch.float32, torch.bfloat16):
@@ -98,12 +106,18 @@ class MegatronLearner(TorchLearner):
                      "'per_trajectory' (the fast path hooks HF modules, not megatron's parallel layers)")
         self.megatron_config, self.dtype = megatron, dtype
         self.gpt = load_megatron_gpt(hf_dir, megatron, dtype, torch.device(device))
+        # the losses are normalised by minibatch-wide denominators, so the data-parallel ranks' gradients
+        # must be summed; megatron averages them unless told the loss is per token
+        self.gpt.gpt.config.calculate_per_token_loss = True
         self.ddp = DistributedDataParallel(
             config=self.gpt.gpt.config, module=self.gpt.gpt,
             ddp_config=DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, use_distributed_optimizer=megatron.use_distributed_optimizer))
+        replicas = parallel_state.get_data_parallel_world_size()
+        data_parallel = DataParallel(parallel_state.get_data_parallel_rank(), replicas,
+                                     parallel_state.get_data_parallel_group()) if replicas > 1 else None
         super().__init__(MegatronCausalLM(self.gpt), algo, optim, micro_batch_tokens=micro_batch_tokens,
-                         temperature=temperature)
+                         temperature=temperature, data_parallel=data_parallel)
 
     def _check_supported(self) -> None:
         super()._check_supported()
@@ -147,26 +161,26 @@ class MegatronLearner(TorchLearner):
         dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
         return total
 
-    def _grad_norm(self) -> float:
-        """‖∇‖ over all shards of the gradient in the DDP buffers (replicated parameters once)."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-        terms = [p.main_grad.float().square().sum() for p in self.model.parameters()
-                 if param_is_not_tensor_parallel_duplicate(p)]
-        local = torch.stack(terms).sum() if terms else torch.zeros((), device=self.device)
-        return float(self._sum_over_shards(local).sqrt())
-
     def _finish(self, lr_scale: float) -> float:
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
         for param in self.model.parameters():  # VCPO's gradients sit in .grad (DDP hooks see backward() only)
             if param.grad is not None:
                 param.main_grad.add_(param.grad)
                 param.grad = None
-        self.ddp.finish_grad_sync()
-        grad_norm = self._grad_norm()
+        self.ddp.finish_grad_sync()  # Σ over DP: all-reduce, or reduce-scatter (distributed optimizer)
+        optimizer = self.optimizer
+        optimizer.prepare_grads()  # model grads → the optimizer's fp32 main grads (its shard)
+        grad_norm = float(optimizer.get_grad_norm())  # DP shards + model-parallel ranks, duplicates once
         if math.isfinite(grad_norm):  # never let one poisoned batch destroy the weights
-            for group in self.optimizer.param_groups:
+            for group in optimizer.param_groups:
                 group["lr"] = lr_at(self.optim_config, self.step_count) * lr_scale
-            self.optimizer.step()  # clips to optim.grad_clip with the same norm
+            if self.optim_config.grad_clip is not None:
+                for part in self._optimizer_parts():
+                    if part.get_parameters():
+                        clip_grad_by_total_norm_fp32(part.get_parameters(), self.optim_config.grad_clip,
+                                                     grad_norm)
+            optimizer.step_with_ready_grads()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.step_count += 1

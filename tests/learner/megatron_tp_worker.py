@@ -1,10 +1,11 @@
 """torchrun worker of tests/learner/test_megatron_learner.py: one megatron learner step per objective at
-tensor parallel size = world size, on the CPU (gloo, the test-only CUDA shim). Rank 0 saves, per
-objective: the step's metrics, VCPO's summed ‖∇ℓ_i‖² and every rank's partial sums, the weights after
-the step (HF names, TP shards gathered), and each rank's local embedding shard shape.
+tensor parallel size = world size (or, with --data-parallel, TP = 1 and world-size data-parallel
+replicas), on the CPU (gloo, the test-only CUDA shim). Rank 0 saves, per objective: the step's metrics,
+VCPO's ‖∇ℓ_i‖² (summed over TP) and every rank's partial sums, the weights after the step (HF names,
+TP shards gathered), and per rank: its local embedding shard shape, its weights and its ‖∇ℓ_i‖².
 
     python -m torch.distributed.run --nproc_per_node 2 tests/learner/megatron_tp_worker.py HF_DIR KIND OUT \
-        [--cuda-sequence-parallel]
+        [--cuda-sequence-parallel | --data-parallel]
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main(hf_dir: str, kind: str, out: str, *flags: str) -> None:
     torch.set_num_threads(1)
     on_gpu = "--cuda-sequence-parallel" in flags
     world = int(os.environ["WORLD_SIZE"])  # set by torchrun
-    megatron = MegatronConfig(tensor_model_parallel_size=world)
+    megatron = MegatronConfig(tensor_model_parallel_size=1 if "--data-parallel" in flags else world)
     device = torch.device("cpu")
     if on_gpu:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -63,11 +64,14 @@ def main(hf_dir: str, kind: str, out: str, *flags: str) -> None:
             shard = tuple(learner.gpt.gpt.embedding.word_embeddings.weight.shape)
             gathered: list[object] = [None] * dist.get_world_size()
             vectors = [partial.cpu() for partial in partials if partial.ndim == 1]  # not the grad-norm scalar
-            dist.all_gather_object(gathered, {"partial": vectors[-1] if vectors else None, "shard": shard})
-            results[name] = {"metrics": record.metrics, "sq_norms": _cpu(record.sq_norms),
-                             "weights": {k: v.cpu() for k, v in record.weights.items()},
+            weights = {k: v.cpu() for k, v in record.weights.items()}
+            dist.all_gather_object(gathered, {"partial": vectors[-1] if vectors else None, "shard": shard,
+                                              "weights": weights, "sq_norms": _cpu(record.sq_norms)})
+            results[name] = {"metrics": record.metrics, "sq_norms": _cpu(record.sq_norms), "weights": weights,
                              "partials": [g["partial"] for g in gathered],
-                             "shards": [g["shard"] for g in gathered]}
+                             "shards": [g["shard"] for g in gathered],
+                             "rank_weights": [g["weights"] for g in gathered],
+                             "rank_sq_norms": [g["sq_norms"] for g in gathered]}
         if dist.get_rank() == 0:
             torch.save(results, out)
         dist.barrier()

@@ -204,6 +204,32 @@ def test_tensor_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints:
     assert (replicated / want.sq_norms > 10 * NORM_RTOL).all()
 
 
+def test_data_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints: dict[str, Path],
+                                                                 tmp_path: Path) -> None:
+    """TP = 1, two data-parallel replicas (the 3 groups dealt 2 + 1): gradients summed over the replicas
+    — reduce-scattered into the distributed optimizer's shards for VCPO — give the torch learner's step;
+    the replicas end identical; each one's ‖∇ℓ_i‖² covers its own groups."""
+    _needs_megatron()
+    results = megatron_parity.run_tp_worker(
+        [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "dp2.pt"), "--data-parallel"],
+        timeout=300, env={"OMP_NUM_THREADS": "1"})
+    batch = megatron_parity.parity_batch("llama_tied")
+    for name in ("grpo", "vcpo"):
+        got = results[name]
+        assert got["shards"] == [(160, 48), (160, 48)]  # TP = 1: every replica holds the whole model
+        replica0, replica1 = got["rank_weights"]
+        assert all(torch.equal(replica0[key], replica1[key]) for key in replica0)
+        metrics = dict(got["metrics"])
+        assert metrics.pop("train/dp_ranks") == 2 and metrics.pop("train/dp_max_rank_tokens_over_mean") > 1
+        want = megatron_parity.run_step(megatron_parity.torch_learner("llama_tied", name), batch)
+        sq_norms = None
+        if want.sq_norms is not None:
+            part0, part1 = got["rank_sq_norms"]
+            assert ((part0 > 0) ^ (part1 > 0)).all() and (part0 > 0).any() and (part1 > 0).any()
+            sq_norms = part0 + part1
+        _assert_same_step(megatron_parity.StepRecord(metrics, sq_norms, got["weights"]), want)
+
+
 def _replicated_share(kind: str, batch: StepInput) -> torch.Tensor:
     """Per trajectory, the part of the torch learner's ‖∇ℓ_i‖² from the 1-D (RMSNorm) weights, which
     every TP rank holds whole."""
