@@ -4,10 +4,17 @@ For each concurrency c (default 1, 8, 32) every backend serves max(c, min_reques
 with c requests in flight at a time, each generating exactly `max_new_tokens` tokens (EOS
 ignored, temperature 1, no truncation); throughput = generated tokens / wall time. The baseline is
 HF `model.generate` on the same weights and dtype, in batches of c left-padded prompts; only
-generated tokens count (no padding). All engines are started first, then at each concurrency the
-engines and the baseline are measured back to back, one at a time (the others sit idle), so a busy
-spell on a shared machine hits them alike. Weight push time is the median of three
-full-state-dict `load_weights` calls on an idle engine.
+generated tokens count (no padding). Weight push time is the median of three full-state-dict
+`load_weights` calls on an idle engine.
+
+One torch-using thread at a time: each engine is started, measured at every concurrency, timed for
+weight pushes and closed (its thread gone) before the next starts, and the baseline loads and runs in
+a thread of its own that ends before any engine starts. Why: torch's CPU kernels run on libgomp, which
+keeps one OpenMP team per calling thread; once the teams of all threads hold more threads than there
+are cores, libgomp stops spinning between parallel regions and every region pays a futex wake-up.
+A decode step is hundreds of small regions, so an engine measured while another engine's (idle)
+thread was alive ran at about half speed (vLLM c=1: 22–28 vs 42–47 tokens/s; docs/results.md). One
+engine per process is also how vcpo runs them (a Ray rollout worker holds one engine).
 
 Numbers on a shared CPU machine are still noisy: compare only within one run, on a quiet machine.
 """
@@ -15,12 +22,13 @@ Numbers on a shared CPU machine are still noisy: compare only within one run, on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -183,37 +191,44 @@ async def _bench_all(
     say: Callable[[str], None],
     vllm_use_eager: bool = False,
 ) -> dict[str, Any]:
-    """Start every engine, then per concurrency measure each engine and HF generate back to back (so a
-    busy spell on a shared machine hits all of them alike), then time weight pushes."""
-    baseline = _HFGenerateBaseline(model_dir, dtype, prompts)
-    engines: dict[str, InferenceEngine] = {}
+    """Each engine alone (started, measured at every concurrency, weight pushes timed, closed), then HF
+    generate in a thread of its own (see the module docstring for why one torch thread at a time)."""
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(1, thread_name_prefix="vcpo-bench-baseline") as pool:  # the thread ends here
+        baseline = await loop.run_in_executor(pool, _HFGenerateBaseline, model_dir, dtype, prompts)
     numbers: dict[str, dict[str, Any]] = {}
     unavailable: dict[str, str] = {}
-    async with contextlib.AsyncExitStack() as stack:
-        for backend in backends:
-            say(f"starting {backend}")
-            started = time.perf_counter()
-            try:
-                engine = await stack.enter_async_context(_build(backend, model_dir, dtype, max(plan),
-                                                                vllm_use_eager))
+    for backend in backends:
+        say(f"starting {backend}")
+        started = time.perf_counter()
+        try:
+            async with _build(backend, model_dir, dtype, max(plan), vllm_use_eager) as engine:
                 await _serve(engine, prompts, 2, 2, 8, "warmup")
-            except (EngineError, ImportError) as exc:
-                unavailable[backend] = str(exc)
-                say(f"{backend} unavailable: {exc}")
-                continue
-            engines[backend] = engine
-            numbers[backend] = {"start_s": round(time.perf_counter() - started, 1), "tokens_per_s": {}}
-        baseline_rates = {}
+                numbers[backend] = {"start_s": round(time.perf_counter() - started, 1), "tokens_per_s": {}}
+                for c, n in plan.items():
+                    say(f"concurrency {c}: {backend}")
+                    rate = await _serve(engine, prompts, n, c, max_new_tokens, f"c{c}")
+                    numbers[backend]["tokens_per_s"][str(c)] = round(rate, 1)
+                numbers[backend]["weight_push_s"] = await _push_time(engine, baseline.state_dict())
+        except (EngineError, ImportError) as exc:
+            numbers.pop(backend, None)
+            unavailable[backend] = str(exc)
+            say(f"{backend} unavailable: {exc}")
+        _join_engine_threads()
+    baseline_rates = {}
+    with ThreadPoolExecutor(1, thread_name_prefix="vcpo-bench-baseline") as pool:
         for c, n in plan.items():
-            for backend, engine in engines.items():
-                say(f"concurrency {c}: {backend}")
-                rate = await _serve(engine, prompts, n, c, max_new_tokens, f"c{c}")
-                numbers[backend]["tokens_per_s"][str(c)] = round(rate, 1)
             say(f"concurrency {c}: HF generate")
-            baseline_rates[str(c)] = baseline.tokens_per_s(n, c, max_new_tokens)  # engines idle meanwhile
-        for backend, engine in engines.items():
-            numbers[backend]["weight_push_s"] = await _push_time(engine, baseline.state_dict())
+            baseline_rates[str(c)] = await loop.run_in_executor(pool, baseline.tokens_per_s, n, c,
+                                                                max_new_tokens)
     return {"hf_generate": {"tokens_per_s": baseline_rates}, "backends": numbers, "unavailable": unavailable}
+
+
+def _join_engine_threads(timeout_s: float = 30.0) -> None:
+    """Wait for closed engines' worker threads to exit (their executors shut down without waiting)."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("vcpo-") and "-engine" in thread.name:
+            thread.join(timeout_s)
 
 
 async def _push_time(engine: InferenceEngine, state_dict: dict[str, Any]) -> float:

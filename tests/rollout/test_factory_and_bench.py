@@ -122,3 +122,37 @@ def test_bench_builds_vllm_in_the_requested_compile_mode(tiny_model_dir: Path, u
 
     engine = _build("vllm", tiny_model_dir, "float32", 8, vllm_use_eager=use_eager)  # not started
     assert engine._settings.use_eager is use_eager and engine._settings.max_num_seqs == 32
+
+
+def test_bench_runs_one_torch_thread_at_a_time(tiny_model_dir: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle second torch thread halves a CPU engine's decode speed (libgomp stops spinning once the
+    OpenMP teams outnumber the cores): while an engine is measured, no other engine's or the baseline's
+    thread may be alive, and while the baseline runs, no engine thread."""
+    import threading
+
+    from rollout import bench
+
+    def torch_threads() -> list[str]:
+        return sorted(t.name.rsplit("_", 1)[0] for t in threading.enumerate()
+                      if t.name.startswith("vcpo-") and ("-engine" in t.name or "bench-baseline" in t.name))
+
+    seen: list[tuple[str, list[str]]] = []
+    serve, measure = bench._serve, bench._HFGenerateBaseline.tokens_per_s
+
+    async def spy_serve(*args: object) -> float:
+        seen.append(("engine", torch_threads()))
+        return await serve(*args)
+
+    def spy_measure(self: object, *args: object) -> float:
+        seen.append(("baseline", torch_threads()))
+        return measure(self, *args)
+
+    monkeypatch.setattr(bench, "_serve", spy_serve)
+    monkeypatch.setattr(bench._HFGenerateBaseline, "tokens_per_s", spy_measure)
+    run_engine_bench(str(tiny_model_dir), tmp_path, concurrencies=(1, 2), max_new_tokens=2, backends=("hf",),
+                     min_requests=2)
+    assert {kind for kind, _ in seen} == {"engine", "baseline"}
+    for kind, threads in seen:
+        alone = ["vcpo-hf-engine"] if kind == "engine" else ["vcpo-bench-baseline"]
+        assert threads == alone, (kind, threads)
