@@ -8,13 +8,14 @@ generated tokens count (no padding). Weight push time is the median of three ful
 `load_weights` calls on an idle engine.
 
 One torch-using thread at a time: each engine is started, measured at every concurrency, timed for
-weight pushes and closed (its thread gone) before the next starts, and the baseline loads and runs in
-a thread of its own that ends before any engine starts. Why: torch's CPU kernels run on libgomp, which
-keeps one OpenMP team per calling thread; once the teams of all threads hold more threads than there
-are cores, libgomp stops spinning between parallel regions and every region pays a futex wake-up.
-A decode step is hundreds of small regions, so an engine measured while another engine's (idle)
-thread was alive ran at about half speed (vLLM c=1: 22–28 vs 42–47 tokens/s; docs/results.md). One
-engine per process is also how vcpo runs them (a Ray rollout worker holds one engine).
+weight pushes and closed (its thread gone) before the next starts, and the baseline loads and runs in a
+thread of its own that ends before any engine starts. Why (the likely mechanism, which fits every probe;
+libgomp itself was not traced): torch's CPU kernels run on libgomp, which keeps one OpenMP team per
+calling thread; once the teams of all threads hold more threads than there are cores, libgomp stops
+spinning between parallel regions and every region pays a futex wake-up. A decode step is hundreds of
+small regions, so an engine measured while another engine's (idle) thread was alive ran at about half
+speed (vLLM c=1: 22–28 vs 42–47 tokens/s; docs/results.md). One engine per process is also how vcpo runs
+them (a Ray rollout worker holds one engine).
 
 Numbers on a shared CPU machine are still noisy: compare only within one run, on a quiet machine.
 """
