@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from learner.ray_weights import plan_buckets, weight_specs
+
 log = logging.getLogger(__name__)
 
 
@@ -84,24 +86,9 @@ class DataParallel:
         for p in live:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        limit = self.bucket_mb * 2**20
-        bucket: list[nn.Parameter] = []
-        size = 0
-        for p in live:
-            bucket.append(p)
-            size += p.grad.numel() * p.grad.element_size()
-            if size >= limit:
-                self._reduce_bucket(bucket)
-                bucket, size = [], 0
-        self._reduce_bucket(bucket)
-
-    def _reduce_bucket(self, bucket: list[nn.Parameter]) -> None:
-        if not bucket:
-            return
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in bucket:
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for params in by_dtype.values():
+        by_name = {str(i): p for i, p in enumerate(live)}  # buckets as for the weight broadcast
+        for bucket in plan_buckets(weight_specs((n, p.grad) for n, p in by_name.items()), self.bucket_mb):
+            params = [by_name[name] for name, _, _ in bucket.members]
             flat = self.all_reduce_sum_(torch.cat([p.grad.reshape(-1) for p in params]))
             for p, chunk in zip(params, flat.split([p.grad.numel() for p in params]), strict=True):
                 p.grad.copy_(chunk.view_as(p.grad))

@@ -26,7 +26,6 @@ import asyncio
 import logging
 import math
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ from typing import Any
 from rollout.base import InferenceEngine
 from rollout.errors import EngineError
 from rollout.models import load_tokenizer, resolve_model
+from rollout.runtime import join_engine_threads
 from rollout.types import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ async def _bench_all(
             numbers.pop(backend, None)
             unavailable[backend] = str(exc)
             say(f"{backend} unavailable: {exc}")
-        _join_engine_threads()
+        join_engine_threads()
     baseline_rates = {}
     with ThreadPoolExecutor(1, thread_name_prefix="vcpo-bench-baseline") as pool:
         for c, n in plan.items():
@@ -223,13 +223,6 @@ async def _bench_all(
             baseline_rates[str(c)] = await loop.run_in_executor(pool, baseline.tokens_per_s, n, c,
                                                                 max_new_tokens)
     return {"hf_generate": {"tokens_per_s": baseline_rates}, "backends": numbers, "unavailable": unavailable}
-
-
-def _join_engine_threads(timeout_s: float = 30.0) -> None:
-    """Wait for closed engines' worker threads to exit (their executors shut down without waiting)."""
-    for thread in threading.enumerate():
-        if thread.name.startswith("vcpo-") and "-engine" in thread.name:
-            thread.join(timeout_s)
 
 
 async def _push_time(engine: InferenceEngine, state_dict: dict[str, Any]) -> float:

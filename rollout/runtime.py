@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -42,7 +43,7 @@ class StepRuntime:
         self.step_lock = asyncio.Lock()
         self.is_closing = False
         self.failure: EngineError | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vcpo-{engine}-engine")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_thread_name(engine))
         self._wakeup = asyncio.Event()
         self._is_running = asyncio.Event()
         self._is_running.set()
@@ -229,3 +230,15 @@ class StepRuntime:
     def shutdown(self) -> None:
         """Release the worker thread (after `stop` and any final `call`)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _thread_name(engine: str) -> str:
+    return f"vcpo-{engine}-engine"
+
+
+def join_engine_threads(timeout_s: float = 30.0) -> None:
+    """Wait until closed engines' step threads have exited (`shutdown` does not wait for them, so a hung
+    step cannot block close); the engine benchmark needs them gone before it measures the next engine."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("vcpo-") and thread.name.rsplit("_", 1)[0].endswith("-engine"):
+            thread.join(timeout_s)
