@@ -516,10 +516,14 @@ class MegatronConfig(StrictModel):
     """TP: shards of every linear layer and of the vocabulary; the world size must be a multiple of
     TP × PP × CP (the quotient is the number of data-parallel replicas)."""
     pipeline_model_parallel_size: int = Field(1, ge=1)
-    """PP: pipeline stages. Only 1 is supported (the learner's per-trajectory autograd needs the whole
-    model on each rank)."""
+    """PP: pipeline stages, each holding num_hidden_layers / PP consecutive layers (the first the embedding,
+    the last the output layer); must divide the layer count. Every forward and backward runs the stages
+    in turn (hidden states and their gradients sent stage to stage, logits broadcast from the last), so
+    PP splits the model's memory at the cost of a (PP − 1)/PP pipeline bubble: no micro-batch
+    interleaving."""
     context_parallel_size: int = Field(1, ge=1)
-    """CP: shards of each packed sequence across ranks for attention. Only 1 is supported."""
+    """CP: shards of each packed sequence across ranks for attention. Only 1 is supported (megatron's
+    context-parallel attention is TransformerEngine's, which the learner does not drive yet)."""
     sequence_parallel: bool = False
     """Shard the activations outside attention/MLP along the sequence across the TP ranks (less
     activation memory); needs tensor_model_parallel_size > 1 and transformer_impl='transformer_engine'."""
@@ -535,10 +539,6 @@ class MegatronConfig(StrictModel):
     @model_validator(mode="after")
     def _check(self) -> MegatronConfig:
         problems = []
-        if self.pipeline_model_parallel_size > 1:
-            problems.append(f"pipeline_model_parallel_size={self.pipeline_model_parallel_size}: pipeline "
-                            "parallelism is not supported by the megatron learner yet; set it to 1 and use "
-                            "tensor_model_parallel_size to split the model")
         if self.context_parallel_size > 1:
             problems.append(f"context_parallel_size={self.context_parallel_size}: context parallelism is not "
                             "supported by the megatron learner yet; set it to 1 (lower "

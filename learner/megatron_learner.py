@@ -1,30 +1,35 @@
-"""The megatron-core learner: the torch learner's step on a tensor-parallel megatron GPT.
+"""The megatron-core learner: the torch learner's step on a tensor- and pipeline-parallel megatron GPT.
 
 The step is `TorchLearner`'s — packing, the proximal pass, the objective or VCPO gradient, one
 objective call for the metrics, the ESS/lag step size — run on `MegatronCausalLM`
-(learner/megatron_model.py), a GPTModel built from the HF checkpoint. What differs on sharded
-parameters is swapped in here:
+(learner/megatron_model.py), a GPTModel built from the HF checkpoint; with pipeline stages its forward
+and backward pass through every stage, so each rank runs the same step on its own layers. What
+differs on sharded parameters is swapped in here:
 
-* VCPO's per-trajectory norms: `accumulate_opob_grad_per_trajectory` on this rank's shards, counting
-  a replicated parameter (the RMSNorm weights) on TP rank 0 only, then all-reduced over the
-  model-parallel group — inside the baseline callback, so every rank computes the same `b*_g`.
-  (The fast packed path hooks HF modules and does not fit megatron's parallel layers.)
-* the finishing step: gradients go into megatron's DistributedDataParallel fp32 buffers and are
-  summed over the data-parallel ranks; megatron's optimizer computes the global norm (over DP shards
-  and model-parallel ranks, replicated parameters once), a non-finite norm skips the step, else it
-  clips and steps (Adam, decoupled weight decay on every parameter as in the torch learner;
-  `use_distributed_optimizer` shards its state over the DP ranks) at lr = schedule(step) × rule(ESS
-  or lag).
+* VCPO's per-trajectory norms: `accumulate_opob_grad_per_trajectory` on this rank's shards
+  (`_rank_sq_norm`: a replicated parameter — the RMSNorm weights — counted on TP rank 0 only, summed
+  over TP first where sequence parallelism splits its gradient; a tied embedding's two pipeline copies
+  summed, then counted once), then all-reduced over the model-parallel group (TP × PP) — inside the
+  baseline callback, so every rank computes the same `b*_g`. (The fast packed path hooks HF modules
+  and does not fit megatron's parallel layers.)
+* the finishing step: gradients go into megatron's DistributedDataParallel fp32 buffers;
+  `finalize_model_grads` sums them over the data-parallel ranks (and the sequence-parallel norm
+  weights over TP, a tied embedding's copies over the first and last stage); megatron's optimizer
+  computes the global norm (over DP shards and model-parallel ranks, replicated and shared parameters
+  once), a non-finite norm skips the step, else it clips and steps (Adam, decoupled weight decay on
+  every parameter as in the torch learner; `use_distributed_optimizer` shards its state over the DP
+  ranks) at lr = schedule(step) × rule(ESS or lag).
 * data parallelism: the world is TP × PP × CP × DP; each DP replica trains whole groups of the
   minibatch (learner/data_parallel.py: proximal log-probs and VCPO's norms summed over the DP group),
   so every replica takes the single-replica step.
-* weights leave in HF names through mbridge, TP shards gathered, for engines and `save_pretrained`.
+* weights leave in HF names through mbridge, TP shards gathered and PP stages broadcast, for engines
+  and `save_pretrained`.
 
 Every model-parallel rank must call `step`, `named_weights`, `state_dict` and `save_pretrained` with
 the same arguments in the same order (they communicate). Not supported (clear errors at
-construction): pipeline/context parallelism (see `MegatronConfig`), objectives needing a
-reference model (KL, TBA), entropy bonuses, activation recomputation, float16. `state_dict` holds
-this rank's shards under megatron names: a checkpoint resumes on the same parallel layout only.
+construction): context parallelism (see `MegatronConfig`), objectives needing a reference model (KL,
+TBA), entropy bonuses, activation recomputation, float16. `state_dict` holds this rank's shards under
+megatron names: a checkpoint resumes on the same parallel layout only.
 """
 
 from __future__ import annotations
@@ -32,19 +37,19 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from configs.schema import AlgoConfig, MegatronConfig, OptimConfig, RunConfig
 from configs.task_schema import TaskConfig
 from learner.data_parallel import DataParallel
 from learner.megatron_model import MegatronCausalLM, export_hf_weights, load_megatron_gpt
-from learner.opob_grad import BaselineFn, accumulate_opob_grad_per_trajectory
+from learner.opob_grad import BaselineFn, accumulate_opob_grad_per_trajectory, sum_sq_norm
 from learner.packing import PackedMicroBatch
 from learner.torch_learner import TorchLearner, lr_at
 
@@ -143,15 +148,59 @@ class MegatronLearner(TorchLearner):
 
     def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
                          baseline_coefs: Tensor, baseline_fn: BaselineFn) -> Tensor:
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
         def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
             return baseline_fn(group, members, self._sum_over_shards(sq_norms))
 
         result = accumulate_opob_grad_per_trajectory(
-            self.model, microbatches, reward_coefs, baseline_coefs, baseline,
-            counts_in_norm=param_is_not_tensor_parallel_duplicate)
+            self.model, microbatches, reward_coefs, baseline_coefs, baseline, rank_sq_norm=self._rank_sq_norm)
         return self._sum_over_shards(result.sq_norms)
+
+    def _rank_sq_norm(self, params: Sequence[nn.Parameter], grads: Sequence[Tensor]) -> Tensor:
+        """This rank's share of one trajectory's ‖g_i‖², such that the shares of the model-parallel ranks
+        sum to the whole norm (`_sum_over_shards`):
+
+        * a tensor-parallel shard: its own gradient;
+        * a weight every TP rank holds whole (RMSNorm): counted on TP rank 0 — after summing the ranks'
+          gradients where sequence parallelism gave each rank only its slice of the sequence's;
+        * a tied embedding with PP > 1 (the first stage's embedding and the last stage's output layer are
+          copies of one weight): the two copies' gradients summed, counted on the first stage.
+
+        Collective (TP group, embedding group): called in the same order on every rank.
+        """
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        config, shared = self.gpt.gpt.config, self._pipeline_shared_weight()
+        own, tp_partial, shared_grad = [], [], None
+        for param, grad in zip(params, grads, strict=True):
+            if param is shared:
+                shared_grad = grad
+            elif config.sequence_parallel and getattr(param, "sequence_parallel", False):
+                tp_partial.append(grad)
+            elif param_is_not_tensor_parallel_duplicate(param):
+                own.append(grad)
+        total = sum_sq_norm([], own).to(grads[0].device) if grads else torch.zeros(())
+        if tp_partial:
+            summed = torch.cat([g.float().flatten() for g in tp_partial])
+            dist.all_reduce(summed, group=parallel_state.get_tensor_model_parallel_group())
+            if parallel_state.get_tensor_model_parallel_rank() == 0:
+                total = total + summed.square().sum()
+        if shared is not None:
+            summed = (shared_grad if shared_grad is not None else torch.zeros_like(shared)).float().clone()
+            dist.all_reduce(summed, group=parallel_state.get_embedding_group())
+            if parallel_state.is_pipeline_first_stage():
+                total = total + summed.square().sum()
+        return total
+
+    def _pipeline_shared_weight(self) -> nn.Parameter | None:
+        """This stage's copy of a tied embedding that PP > 1 keeps on both the first and the last stage
+        (megatron sums the copies' gradients); None otherwise."""
+        gpt = self.gpt.gpt
+        pipelined = self.megatron_config.pipeline_model_parallel_size > 1
+        holds_a_copy = gpt.pre_process or gpt.post_process
+        if not (pipelined and gpt.share_embeddings_and_output_weights and holds_a_copy):
+            return None
+        return gpt.shared_embedding_or_output_weight()
 
     def _sum_over_shards(self, partial: Tensor) -> Tensor:
         """Σ over the model-parallel ranks of per-shard partial sums (each parameter counted once)."""
@@ -162,13 +211,16 @@ class MegatronLearner(TorchLearner):
         return total
 
     def _finish(self, lr_scale: float) -> float:
+        from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         for param in self.model.parameters():  # VCPO's gradients sit in .grad (DDP hooks see backward() only)
             if param.grad is not None:
                 param.main_grad.add_(param.grad)
                 param.grad = None
-        self.ddp.finish_grad_sync()  # Σ over DP: all-reduce, or reduce-scatter (distributed optimizer)
+        # Σ over DP (all-reduce, or reduce-scatter with the distributed optimizer); Σ over TP of the norm
+        # weights' gradients under sequence parallelism; Σ of a tied embedding's two copies under PP
+        finalize_model_grads([self.ddp])
         optimizer = self.optimizer
         optimizer.prepare_grads()  # model grads → the optimizer's fp32 main grads (its shard)
         grad_norm = float(optimizer.get_grad_norm())  # DP shards + model-parallel ranks, duplicates once

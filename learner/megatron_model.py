@@ -14,14 +14,23 @@ so the torch learner's step runs on it unchanged:
   through a block-diagonal causal mask and RoPE at each trajectory's own positions (exactly HF's
   numbers); with TransformerEngine through `thd` `PackedSeqParams` (cu_seqlens, no mask);
 * only the K target positions reach the vocabulary-parallel output layer; their (K, V/TP) logits are
-  all-gathered over the TP ranks (the backward hands each rank its vocabulary shard's gradient).
+  all-gathered over the TP ranks (the backward hands each rank its vocabulary shard's gradient);
+* with pipeline parallelism (PP > 1) each stage holds a contiguous slice of the layers (the first the
+  embedding, the last the final norm and output layer). The call runs the stages in turn — the hidden
+  states go to the next stage by point-to-point send, the last stage broadcasts the (K, V) logits to the
+  whole pipeline group — so every rank returns the same logits, and the learner's step runs unchanged
+  on every rank. The backward runs in reverse through autograd functions that receive the gradient of a
+  stage's output from the next stage and send the gradient of its input to the previous one. One
+  trajectory batch at a time, no micro-batch interleaving: PP here splits the model's memory, with a
+  (PP − 1)/PP bubble, not a 1F1B schedule.
 
 `export_hf_weights` yields (HF name, full tensor) with the TP shards gathered — what engines load.
 
 Collective calls: the load, the export and (with TP > 1) every forward must be made by all
-model-parallel ranks in the same order. megatron's parallel state must be initialised first
-(`learner.megatron_learner.init_model_parallel`). Not here: pipeline/context/data parallelism, MoE,
-RoPE scaling, vocabularies that TP does not divide. megatron-core and mbridge are imported lazily,
+model-parallel ranks in the same order (and, with PP > 1, every backward of its outputs).
+megatron's parallel state must be initialised first (`learner.megatron_learner.init_model_parallel`).
+Not here: context parallelism, virtual pipeline stages, MoE, RoPE scaling, vocabularies that TP does not
+divide, layer counts that PP does not divide. megatron-core and mbridge are imported lazily,
 inside functions, so the project imports without them.
 """
 
@@ -79,7 +88,7 @@ def _rope_theta(hf_config: Any) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
-def _check_checkpoint(hf_config: Any, tensor_parallel: int) -> None:
+def _check_checkpoint(hf_config: Any, tensor_parallel: int, pipeline_parallel: int) -> None:
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"learner.backend='megatron' supports HF model types {SUPPORTED_MODEL_TYPES}, not "
                          f"{hf_config.model_type!r}; use learner.backend='torch' for this model")
@@ -87,6 +96,10 @@ def _check_checkpoint(hf_config: Any, tensor_parallel: int) -> None:
         raise ValueError(f"vocab_size={hf_config.vocab_size} is not divisible by "
                          f"learner.megatron.tensor_model_parallel_size={tensor_parallel}; pick a size that "
                          "divides it")
+    if hf_config.num_hidden_layers % pipeline_parallel:
+        raise ValueError(f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by "
+                         f"learner.megatron.pipeline_model_parallel_size={pipeline_parallel}; pick a size "
+                         "that divides it (every stage holds the same number of layers)")
 
 
 def load_megatron_gpt(hf_dir: str | Path, megatron: MegatronConfig, dtype: torch.dtype,
@@ -104,7 +117,8 @@ def load_megatron_gpt(hf_dir: str | Path, megatron: MegatronConfig, dtype: torch
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    _check_checkpoint(hf_config, parallel_state.get_tensor_model_parallel_world_size())
+    _check_checkpoint(hf_config, parallel_state.get_tensor_model_parallel_world_size(),
+                      parallel_state.get_pipeline_model_parallel_world_size())
     uses_te = megatron.transformer_impl == "transformer_engine"
     bridge = AutoBridge.from_config(hf_config, dtype=dtype)
     bridge.set_extra_args(
@@ -120,18 +134,29 @@ def load_megatron_gpt(hf_dir: str | Path, megatron: MegatronConfig, dtype: torch
                                  "input_layernorm.weight": _LOCAL_SPEC_NAMES["input_layernorm.weight"]}
         bridge._MLP_MAPPING = {"pre_mlp_layernorm.weight": _LOCAL_SPEC_NAMES["pre_mlp_layernorm.weight"],
                                **bridge._MLP_MAPPING}
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    # A tied checkpoint has no lm_head.weight: the last stage's copy of the embedding (PP > 1) loads
+    # embed_tokens. Set on the instance — mbridge's Qwen2 bridge writes this into the class-wide table,
+    # which would then also apply to a later untied checkpoint in the same process.
+    output_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    bridge._DIRECT_MAPPING = {**bridge._DIRECT_MAPPING, "output_layer.weight": output_name}
     gpt = GPTModel(config=bridge.config, transformer_layer_spec=layer_spec, vocab_size=hf_config.vocab_size,
                    max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
-                   rotary_base=_rope_theta(hf_config),
-                   share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)))
+                   rotary_base=_rope_theta(hf_config), share_embeddings_and_output_weights=tied,
+                   pre_process=parallel_state.is_pipeline_first_stage(),
+                   post_process=parallel_state.is_pipeline_last_stage())
     gpt.to(device)
     bridge.load_weights([gpt], str(hf_dir))
     return MegatronGPT(gpt, bridge, hf_config, uses_te)
 
 
 def export_hf_weights(model: MegatronGPT) -> Iterator[tuple[str, Tensor]]:
-    """(HF name, full tensor) of every weight, TP shards all-gathered (collective; views where TP = 1)."""
+    """(HF name, full tensor) of every weight, TP shards all-gathered and PP stages broadcast to every
+    rank (collective; views where TP = PP = 1). A tied checkpoint's output layer — the last stage's copy
+    of the embedding when PP > 1 — is not exported: HF ties `lm_head` to `embed_tokens`."""
     exported = model.bridge.export_weights([model.gpt])
+    tied = bool(getattr(model.hf_config, "tie_word_embeddings", False))
+    seen = set()
     while True:
         # no_grad around each resumption only (a `with` around `yield` would leak into the caller):
         # mbridge broadcasts the parameters themselves, which autograd would otherwise record
@@ -139,7 +164,10 @@ def export_hf_weights(model: MegatronGPT) -> Iterator[tuple[str, Tensor]]:
             item = next(exported, None)
         if item is None:
             return
-        yield item[0], item[1].detach()
+        name = item[0]
+        if not (tied and (name == "lm_head.weight" or name in seen)):  # the output layer's copy, after
+            seen.add(name)                                             # the embedding (stage order)
+            yield name, item[1].detach()
 
 
 def packed_causal_mask(position_ids: Tensor) -> Tensor:
@@ -194,10 +222,24 @@ class MegatronCausalLM(nn.Module):
                      else torch.arange(length, device=input_ids.device))
         if not isinstance(positions, Tensor):
             raise TypeError("logits_to_keep must be a tensor of positions (an int 'last k' is not supported)")
-        hidden = self._decode(input_ids, position_ids)  # (N, 1, H), full sequence on every TP rank
-        return CausalLMOutput(self._logits(hidden[positions, 0]).unsqueeze(0))
+        hidden = self._decode(input_ids, position_ids)
+        if not self.gpt.post_process:  # (N, 1, H) [N/TP with SP] for the next stage; logits come back
+            shape = (positions.numel(), self.gpt.vocab_size)
+            return CausalLMOutput(_SendToNextStage.apply(hidden, shape).unsqueeze(0))
+        logits = self._logits(hidden[positions, 0])  # hidden: (N, 1, H), the full sequence on every TP rank
+        if self.gpt.config.pipeline_model_parallel_size > 1:
+            _broadcast_from_last_stage(logits.detach())
+        return CausalLMOutput(logits.unsqueeze(0))
+
+    def _anchor(self) -> Tensor:
+        """A parameter of this stage: the input of the pipeline's autograd functions, so that autograd —
+        `torch.autograd.grad` over the parameters included — runs their backward (which communicates) on
+        every stage. They give it no gradient."""
+        return next(p for p in self.gpt.parameters() if p.requires_grad)
 
     def _decode(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """This stage's decoder output: the final hidden states (N, 1, H) on the last stage, the hidden
+        states for the next stage (N, 1, H) [N/TP with SP] on the others."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
         gpt, config = self.gpt, self.gpt.config
@@ -207,7 +249,14 @@ class MegatronCausalLM(nn.Module):
             input_ids = F.pad(input_ids, (0, pad))
             dummy_positions = torch.arange(pad, device=position_ids.device)[None]
             position_ids = torch.cat([position_ids, dummy_positions], dim=1)
-        hidden = self._embed(input_ids, position_ids)  # (N, 1, H) [N/TP with SP]
+        if gpt.pre_process:
+            hidden = self._embed(input_ids, position_ids)  # (N, 1, H) [N/TP with SP]
+        else:
+            shards = config.tensor_model_parallel_size if config.sequence_parallel else 1
+            shape = (input_ids.shape[1] // shards, 1, config.hidden_size)
+            received = _ReceiveFromPreviousStage.apply(self._anchor(), shape, config.params_dtype)
+            gpt.decoder.set_input_tensor(received)
+            hidden = None  # the decoder reads its input tensor
         if self.uses_transformer_engine:
             params = packed_seq_params(position_ids)
             rotary = gpt.rotary_pos_emb(params.max_seqlen_q, packed_seq=True)  # applied per cu_seqlens
@@ -218,6 +267,8 @@ class MegatronCausalLM(nn.Module):
             rotary = gpt.rotary_pos_emb(int(position_ids.max()) + 1)[position_ids[0]]
             hidden = gpt.decoder(hidden_states=hidden, attention_mask=packed_causal_mask(position_ids),
                                  rotary_pos_emb=rotary)
+        if not gpt.post_process:
+            return hidden
         if config.sequence_parallel:
             # every TP rank then holds the same full sequence and gets the same gradient: the backward
             # keeps this rank's slice (no reduction)
@@ -251,3 +302,66 @@ class MegatronCausalLM(nn.Module):
         # contributes part of it)
         local = F.linear(copy_to_tensor_model_parallel_region(hidden), weight)
         return gather_from_tensor_model_parallel_region(local)
+
+
+# --- pipeline stages: point-to-point activations and gradients, logits broadcast -----------------------
+
+
+def _broadcast_from_last_stage(tensor: Tensor) -> None:
+    """Broadcast `tensor` (in place on the receivers) from the last pipeline stage to the whole pipeline
+    group of this rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                   group=parallel_state.get_pipeline_model_parallel_group())
+
+
+class _ReceiveFromPreviousStage(torch.autograd.Function):
+    """Forward: the previous stage's output hidden states (received). Backward: sends their gradient
+    back to it. `anchor` (a parameter of this stage, given no gradient) only ties the function into
+    autograd's graph."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        received = torch.empty(shape, dtype=dtype, device=anchor.device)
+        dist.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+        return received
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        dist.send(grad.contiguous(), dst=parallel_state.get_pipeline_model_parallel_prev_rank())
+        return None, None, None
+
+
+class _SendToNextStage(torch.autograd.Function):
+    """Forward (every stage but the last): sends this stage's output hidden states to the next stage and
+    returns the (K, V) logits the last stage broadcasts. Backward: the gradient of the sent hidden states,
+    received from the next stage (the logits' gradient here is this rank's copy of the last stage's, which
+    that stage applies)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, logits_shape: tuple[int, int]) -> Tensor:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        dist.send(hidden.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+        logits = torch.empty(logits_shape, dtype=hidden.dtype, device=hidden.device)
+        _broadcast_from_last_stage(logits)
+        ctx.hidden_shape, ctx.hidden_dtype = hidden.shape, hidden.dtype
+        return logits
+
+    @staticmethod
+    def backward(ctx: Any, grad_logits: Tensor) -> tuple[Tensor, None]:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        grad = torch.empty(ctx.hidden_shape, dtype=ctx.hidden_dtype, device=grad_logits.device)
+        dist.recv(grad, src=parallel_state.get_pipeline_model_parallel_next_rank())
+        return grad, None

@@ -28,8 +28,9 @@ trajectories.
 
 With sharded parameters (FSDP/TP) the norms computed here are per-shard partial sums:
 `baseline_fn` — called on every rank in the same order, once per group — is the place to
-all-reduce them (`counts_in_norm` keeps replicated parameters from being counted once per rank;
-`learner/megatron_learner.py` does both). Nothing here communicates.
+all-reduce them (`rank_sq_norm` gives this rank's share: replicated parameters counted on one rank
+only, copies of a tied weight summed before squaring; `learner/megatron_learner.py` does both).
+Nothing here communicates unless `rank_sq_norm` does.
 """
 
 from __future__ import annotations
@@ -49,6 +50,17 @@ from learner.traj_grad_hooks import PackedGradHooks
 BaselineFn = Callable[[int, Tensor, Tensor], float]
 """`baseline_fn(group_id, member_indices (m,) long ascending, sq_norms (m,) fp32) -> b*_g`.
 Called exactly once per group, as soon as the last member's norm is complete."""
+
+RankSqNorm = Callable[[Sequence[nn.Parameter], Sequence[Tensor]], Tensor]
+"""`rank_sq_norm(params, grads) -> ()` fp32: this rank's share of one trajectory's `‖g_i‖²`."""
+
+
+def sum_sq_norm(params: Sequence[nn.Parameter], grads: Sequence[Tensor]) -> Tensor:
+    """`Σ ‖grad‖²` in fp32 over all `grads` (every parameter counted; no communication)."""
+    del params
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack([g.float().square().sum() for g in grads]).sum()
 
 DENSE_COST_FLOPS = {"cpu": 64.0, "cuda": 2048.0}
 """Default price, in GEMM flops, of one element of the memory-bound passes (norm + two axpys)
@@ -212,7 +224,7 @@ def accumulate_opob_grad_per_trajectory(
     baseline_coefs: Tensor,
     baseline_fn: BaselineFn,
     *,
-    counts_in_norm: Callable[[nn.Parameter], bool] | None = None,
+    rank_sq_norm: RankSqNorm | None = None,
     autocast_dtype: torch.dtype | None = None,
 ) -> OpobGradResult:
     """The reference OPOB gradient: one forward/backward per trajectory, two buffers.
@@ -221,14 +233,14 @@ def accumulate_opob_grad_per_trajectory(
     parameters autograd reaches. Per trajectory: `A += a_i g_i`, `S_g += s_i g_i`, and after a
     group's last member `A −= b*_g S_g`; finally `.grad += −A`. Exact but slow: a full-size norm
     and two full-size axpys per trajectory, and short sequences use the hardware poorly.
-    `counts_in_norm(param)`: whether `param`'s gradient enters `sq_norms` (default: every one);
-    with tensor parallelism it drops the copies of replicated parameters on all ranks but one, so
-    the sum over ranks counts each parameter once. `.grad` is left untouched if it raises.
+    `rank_sq_norm(params, grads)`: this rank's share of `‖g_i‖²` from its parameters and their
+    gradients for trajectory i (default: `Σ ‖grad‖²` over all of them), called once per trajectory
+    in the same order on every rank; with model parallelism the shares over the ranks must sum to
+    the whole norm (module docstring). `.grad` is left untouched if it raises.
     """
     num_trajectories = _check_coefs(reward_coefs, baseline_coefs)
     schedule = _GroupSchedule.build(microbatches, reward_coefs, baseline_coefs)
     params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
-    counted = [counts_in_norm is None or counts_in_norm(p) for p in params]
     ascent = {p: torch.zeros_like(p) for p in params}
     device = params[0].device if params else reward_coefs.device
     sq_norms = torch.zeros(num_trajectories, dtype=torch.float32, device=device)
@@ -237,8 +249,7 @@ def accumulate_opob_grad_per_trajectory(
         for j in range(batch.num_trajectories):
             index, group = int(batch.trajectory_indices[j]), int(batch.group_ids[j])
             grads = _trajectory_grads(model, batch.select(j), params, autocast_dtype)
-            terms = [(g.float() * g.float()).sum() for g, c in zip(grads, counted, strict=True) if c]
-            sq_norms[index] = torch.stack(terms).sum() if terms else 0.0
+            sq_norms[index] = (rank_sq_norm or sum_sq_norm)(params, grads)
             reward_coef, baseline_coef = float(reward_coefs[index]), float(baseline_coefs[index])
             for param, grad in zip(params, grads, strict=True):
                 ascent[param].add_(grad, alpha=reward_coef)

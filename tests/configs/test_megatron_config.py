@@ -22,8 +22,13 @@ def test_a_megatron_layout_with_tensor_parallelism_validates() -> None:
     assert config.megatron.tensor_model_parallel_size == 4
 
 
+def test_a_megatron_layout_with_pipeline_stages_validates() -> None:
+    config = LearnerConfig.model_validate({"backend": "megatron", "megatron": {
+        "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4}})
+    assert config.megatron.pipeline_model_parallel_size == 4
+
+
 @pytest.mark.parametrize(("fields", "fix"), [
-    ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size=2: pipeline parallelism is not"),
     ({"context_parallel_size": 2}, "context_parallel_size=2: context parallelism is not supported"),
     ({"sequence_parallel": True, "transformer_impl": "transformer_engine"},
      "set tensor_model_parallel_size ≥ 2"),

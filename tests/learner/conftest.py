@@ -24,15 +24,18 @@ _COMMON = {
 }
 
 
-def tiny_model(kind: str, attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+def tiny_model(
+    kind: str, attn_implementation: str = "sdpa", seed: int = 0, layers: int = 2
+) -> torch.nn.Module:
     """kind: 'llama_tied' (SmolLM2-like), 'llama_untied', or 'qwen2' (q/k/v biases, untied)."""
     torch.manual_seed(seed)
+    common = {**_COMMON, "num_hidden_layers": layers}
     if kind == "qwen2":
-        config = Qwen2Config(**_COMMON, tie_word_embeddings=False, attn_implementation=attn_implementation)
+        config = Qwen2Config(**common, tie_word_embeddings=False, attn_implementation=attn_implementation)
         model = Qwen2ForCausalLM(config)
     else:
         config = LlamaConfig(
-            **_COMMON, tie_word_embeddings=kind == "llama_tied", attn_implementation=attn_implementation
+            **common, tie_word_embeddings=kind == "llama_tied", attn_implementation=attn_implementation
         )
         model = LlamaForCausalLM(config)
     with torch.no_grad():  # random RMSNorm scales, so a wrong x̂ or δ cannot hide behind ones

@@ -35,19 +35,19 @@ def algo(name: str) -> AlgoConfig:
     return AlgoConfig.model_validate(ALGOS[name])
 
 
-def write_checkpoint(kind: str, out_dir: Path) -> Path:
+def write_checkpoint(kind: str, out_dir: Path, layers: int = 2) -> Path:
     """The conftest's tiny random model ('llama_tied' or 'qwen2') as an HF directory."""
-    tiny_model(kind).save_pretrained(out_dir)
+    tiny_model(kind, layers=layers).save_pretrained(out_dir)
     return out_dir
 
 
-def parity_batch(kind: str) -> StepInput:
+def parity_batch(kind: str, layers: int = 2) -> StepInput:
     """3 groups × 3 trajectories (~200 tokens) of model `kind`, random rewards, lags 0–2, behaviour
     log-probs = the model's own + N(0, 0.05²) noise per token (sequence IS weights near 1, so VCPO's
     coefficients are far from 0 and its update is a real test)."""
     rng = random.Random(7)
     tokens = random_trajectories(num_groups=3, per_group=3, seed=1)
-    model = tiny_model(kind)
+    model = tiny_model(kind, layers=layers)
     trajectories = []
     for i, t in enumerate(tokens):
         ids = torch.tensor([t.token_ids])
@@ -64,8 +64,8 @@ def parity_batch(kind: str) -> StepInput:
                      [True] * len(tokens))
 
 
-def torch_learner(kind: str, algo_name: str) -> TorchLearner:
-    model = tiny_model(kind, attn_implementation=register_varlen_sdpa()).train()
+def torch_learner(kind: str, algo_name: str, layers: int = 2) -> TorchLearner:
+    model = tiny_model(kind, attn_implementation=register_varlen_sdpa(), layers=layers).train()
     return TorchLearner(model, algo(algo_name), OPTIM, micro_batch_tokens=MICRO_BATCH_TOKENS)
 
 
@@ -98,11 +98,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TP_WORKER = Path(__file__).with_name("megatron_tp_worker.py")
 
 
-def run_tp_worker(args: list[str], timeout: float, env: dict[str, str] | None = None) -> dict:
-    """Run megatron_tp_worker.py on 2 ranks under torchrun; returns what it saved to `args[2]`
+def run_tp_worker(args: list[str], timeout: float, env: dict[str, str] | None = None, ranks: int = 2) -> dict:
+    """Run megatron_tp_worker.py on `ranks` processes under torchrun; returns what it saved to `args[2]`
     (the output path). Fails with the workers' stderr when they fail."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
                str(TP_WORKER), *args]
     run = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout,
                          check=False)

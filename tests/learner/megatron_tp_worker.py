@@ -1,11 +1,12 @@
 """torchrun worker of tests/learner/test_megatron_learner.py: one megatron learner step per objective at
 tensor parallel size = world size (or, with --data-parallel, TP = 1 and world-size data-parallel
-replicas), on the CPU (gloo, the test-only CUDA shim). Rank 0 saves, per objective: the step's metrics,
+replicas; with --pipeline-parallel, TP = 1 and world-size pipeline stages), on the CPU (gloo, the
+test-only CUDA shim). Rank 0 saves, per objective: the step's metrics,
 VCPO's ‖∇ℓ_i‖² (summed over TP) and every rank's partial sums, the weights after the step (HF names,
 TP shards gathered), and per rank: its local embedding shard shape, its weights and its ‖∇ℓ_i‖².
 
     python -m torch.distributed.run --nproc_per_node 2 tests/learner/megatron_tp_worker.py HF_DIR KIND OUT \
-        [--cuda-sequence-parallel | --data-parallel]
+        [--cuda-sequence-parallel | --data-parallel | --pipeline-parallel]
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ def main(hf_dir: str, kind: str, out: str, *flags: str) -> None:
     torch.set_num_threads(1)
     on_gpu = "--cuda-sequence-parallel" in flags
     world = int(os.environ["WORLD_SIZE"])  # set by torchrun
-    megatron = MegatronConfig(tensor_model_parallel_size=1 if "--data-parallel" in flags else world)
+    if "--data-parallel" in flags:
+        megatron = MegatronConfig()
+    elif "--pipeline-parallel" in flags:
+        megatron = MegatronConfig(pipeline_model_parallel_size=world)
+    else:
+        megatron = MegatronConfig(tensor_model_parallel_size=world)
     device = torch.device("cpu")
     if on_gpu:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -53,7 +59,10 @@ def main(hf_dir: str, kind: str, out: str, *flags: str) -> None:
         from learner.megatron_learner import MegatronLearner, init_model_parallel
 
         init_model_parallel(megatron, backend="nccl" if on_gpu else "gloo")
-        batch = megatron_parity.parity_batch(kind)
+        from transformers import AutoConfig
+
+        layers = AutoConfig.from_pretrained(hf_dir).num_hidden_layers
+        batch = megatron_parity.parity_batch(kind, layers=layers)
         results = {}
         for name, use_distributed_optimizer in (("grpo", False), ("vcpo", True)):
             config = megatron.model_copy(update={"use_distributed_optimizer": use_distributed_optimizer})
@@ -61,15 +70,19 @@ def main(hf_dir: str, kind: str, out: str, *flags: str) -> None:
                                       micro_batch_tokens=megatron_parity.MICRO_BATCH_TOKENS, device=device)
             partials = _partial_sq_norms(learner)
             record = megatron_parity.run_step(learner, batch)
-            shard = tuple(learner.gpt.gpt.embedding.word_embeddings.weight.shape)
+            # the first stage's embedding shard (the last stage's output layer; None on a middle stage)
+            vocabulary_weight = learner.gpt.gpt.shared_embedding_or_output_weight()
+            shard = None if vocabulary_weight is None else tuple(vocabulary_weight.shape)
             gathered: list[object] = [None] * dist.get_world_size()
             vectors = [partial.cpu() for partial in partials if partial.ndim == 1]  # not the grad-norm scalar
             weights = {k: v.cpu() for k, v in record.weights.items()}
             dist.all_gather_object(gathered, {"partial": vectors[-1] if vectors else None, "shard": shard,
+                                              "layers": len(learner.gpt.gpt.decoder.layers),
                                               "weights": weights, "sq_norms": _cpu(record.sq_norms)})
             results[name] = {"metrics": record.metrics, "sq_norms": _cpu(record.sq_norms), "weights": weights,
                              "partials": [g["partial"] for g in gathered],
                              "shards": [g["shard"] for g in gathered],
+                             "layers": [g["layers"] for g in gathered],
                              "rank_weights": [g["weights"] for g in gathered],
                              "rank_sq_norms": [g["sq_norms"] for g in gathered]}
         if dist.get_rank() == 0:

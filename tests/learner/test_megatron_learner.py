@@ -1,7 +1,7 @@
 """The megatron-core learner equals the torch learner on the same batch: packed logits, the step's metrics,
 VCPO's per-trajectory squared gradient norms and the weights after one optimizer step (compared in HF
-names through mbridge's export) — in process at TP = 1, and at TP = 2 under torchrun, both on the CPU
-with gloo and the test-only CUDA shim (tests/learner/megatron_cpu.py).
+names through mbridge's export) — in process at TP = 1, and at TP = 2, DP = 2 and PP = 2 under torchrun,
+all on the CPU with gloo and the test-only CUDA shim (tests/learner/megatron_cpu.py).
 
 Tolerances (fp32 throughout; measured maxima on this machine in brackets): logits 1e-5 absolute
 [2e-7]; metrics 1e-5 relative [2e-6]; ‖∇ℓ_i‖² 1e-5 relative [3e-7]; weights after one Adam step at
@@ -228,6 +228,36 @@ def test_data_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints: d
             assert ((part0 > 0) ^ (part1 > 0)).all() and (part0 > 0).any() and (part1 > 0).any()
             sq_norms = part0 + part1
         _assert_same_step(megatron_parity.StepRecord(metrics, sq_norms, got["weights"]), want)
+
+
+@pytest.mark.parametrize(("kind", "stages"), [("llama_tied", 2), ("qwen2", 2), ("llama_tied", 3)])
+def test_pipeline_parallel_under_torchrun_matches_the_torch_learner(checkpoints: dict[str, Path], kind: str,
+                                                                   stages: int, tmp_path: Path) -> None:
+    """PP = 2 and 3 (one layer per stage; 3 has a middle stage that both receives and sends): hidden
+    states and their gradients sent between the stages, logits broadcast from the last. Every rank takes
+    the torch learner's step; VCPO's ‖∇ℓ_i‖² is the sum of the stages' partial sums. Tied (llama_tied):
+    the last stage's copy of the embedding gets the output layer's gradient, the two copies' gradients
+    are summed into the update and, before squaring, into the norm. Counting the copies apart in the
+    norm, or leaving their gradients unsummed, fails this test (both tried)."""
+    _needs_megatron()
+    hf_dir = (checkpoints[kind] if stages == 2
+              else megatron_parity.write_checkpoint(kind, tmp_path / f"{kind}-{stages}", layers=stages))
+    results = megatron_parity.run_tp_worker(
+        [str(hf_dir), kind, str(tmp_path / "pp.pt"), "--pipeline-parallel"], timeout=300,
+        env={"OMP_NUM_THREADS": "1"}, ranks=stages)
+    batch = megatron_parity.parity_batch(kind, layers=stages)
+    for name in ("grpo", "vcpo"):
+        got = results[name]
+        assert got["layers"] == [1] * stages  # the layers split over the stages
+        # the embedding on the first stage, the output layer on the last, neither in between
+        assert got["shards"] == [(160, 48)] + [None] * (stages - 2) + [(160, 48)]
+        assert all(torch.equal(rank[key], weight) for rank in got["rank_weights"]
+                   for key, weight in got["weights"].items())  # every stage exports the same whole model
+        want = megatron_parity.run_step(megatron_parity.torch_learner(kind, name, layers=stages), batch)
+        _assert_same_step(megatron_parity.StepRecord(got["metrics"], got["sq_norms"], got["weights"]), want)
+    partials = results["vcpo"]["partials"]
+    assert all((partial > 0).all() for partial in partials)  # every stage carries part of every norm
+    torch.testing.assert_close(sum(partials), results["vcpo"]["sq_norms"], rtol=1e-6, atol=0)
 
 
 def _replicated_share(kind: str, batch: StepInput) -> torch.Tensor:
