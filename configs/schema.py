@@ -522,8 +522,10 @@ class MegatronConfig(StrictModel):
     PP splits the model's memory at the cost of a (PP − 1)/PP pipeline bubble: no micro-batch
     interleaving."""
     context_parallel_size: int = Field(1, ge=1)
-    """CP: shards of each packed sequence across ranks for attention. Only 1 is supported (megatron's
-    context-parallel attention is TransformerEngine's, which the learner does not drive yet)."""
+    """CP: each packed row of micro_batch_tokens is cut into CP contiguous chunks, one per rank, for
+    long sequences: every layer runs on the rank's chunk only, and attention gathers the keys and values
+    of the whole row from the CP ranks (all-gather context parallelism; needs transformer_impl='local').
+    With VCPO each trajectory's gradient is also all-reduced over CP for its norm."""
     sequence_parallel: bool = False
     """Shard the activations outside attention/MLP along the sequence across the TP ranks (less
     activation memory); needs tensor_model_parallel_size > 1 and transformer_impl='transformer_engine'."""
@@ -539,10 +541,11 @@ class MegatronConfig(StrictModel):
     @model_validator(mode="after")
     def _check(self) -> MegatronConfig:
         problems = []
-        if self.context_parallel_size > 1:
-            problems.append(f"context_parallel_size={self.context_parallel_size}: context parallelism is not "
-                            "supported by the megatron learner yet; set it to 1 (lower "
-                            "learner.micro_batch_tokens for long sequences)")
+        if self.context_parallel_size > 1 and self.transformer_impl != "local":
+            problems.append(f"context_parallel_size={self.context_parallel_size} needs "
+                            "transformer_impl='local' (the learner's context parallelism gathers keys and "
+                            "values in megatron's local attention; TransformerEngine's is not driven yet); "
+                            "set transformer_impl='local' or context_parallel_size=1")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             problems.append("sequence_parallel=true shards activations across tensor-parallel ranks, but "
                             "tensor_model_parallel_size=1; set tensor_model_parallel_size ≥ 2 or "

@@ -163,14 +163,22 @@ class MegatronLearner(TorchLearner):
         * a weight every TP rank holds whole (RMSNorm): counted on TP rank 0 — after summing the ranks'
           gradients where sequence parallelism gave each rank only its slice of the sequence's;
         * a tied embedding with PP > 1 (the first stage's embedding and the last stage's output layer are
-          copies of one weight): the two copies' gradients summed, counted on the first stage.
+          copies of one weight): the two copies' gradients summed, counted on the first stage;
+        * with CP > 1 each CP rank holds its chunk's part of every gradient: they are summed over the CP
+          group first (one all-reduce of this rank's whole gradient per trajectory), and every CP rank
+          then has the same share.
 
-        Collective (TP group, embedding group): called in the same order on every rank.
+        Collective (CP, TP and embedding groups): called in the same order on every rank.
         """
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         config, shared = self.gpt.gpt.config, self._pipeline_shared_weight()
+        if config.context_parallel_size > 1 and grads:
+            flat = torch.cat([g.float().flatten() for g in grads])
+            dist.all_reduce(flat, group=parallel_state.get_context_parallel_group())
+            parts = flat.split([g.numel() for g in grads])
+            grads = [part.view_as(g) for part, g in zip(parts, grads, strict=True)]
         own, tp_partial, shared_grad = [], [], None
         for param, grad in zip(params, grads, strict=True):
             if param is shared:

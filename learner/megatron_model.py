@@ -22,16 +22,21 @@ so the torch learner's step runs on it unchanged:
   on every rank. The backward runs in reverse through autograd functions that receive the gradient of a
   stage's output from the next stage and send the gradient of its input to the previous one. One
   trajectory batch at a time, no micro-batch interleaving: PP here splits the model's memory, with a
-  (PP − 1)/PP bubble, not a 1F1B schedule.
+  (PP − 1)/PP bubble, not a 1F1B schedule;
+* with context parallelism (CP > 1, local layers) each CP rank runs a contiguous chunk of the row's
+  tokens; attention gathers the keys and values of the whole row (learner/megatron_context_parallel.py)
+  and the chunks' target logits are gathered to every CP rank.
 
-`export_hf_weights` yields (HF name, full tensor) with the TP shards gathered — what engines load.
+`export_hf_weights` yields (HF name, full tensor) with the TP shards gathered and the PP stages'
+weights broadcast — what engines load.
 
-Collective calls: the load, the export and (with TP > 1) every forward must be made by all
-model-parallel ranks in the same order (and, with PP > 1, every backward of its outputs).
-megatron's parallel state must be initialised first (`learner.megatron_learner.init_model_parallel`).
-Not here: context parallelism, virtual pipeline stages, MoE, RoPE scaling, vocabularies that TP does not
-divide, layer counts that PP does not divide. megatron-core and mbridge are imported lazily,
-inside functions, so the project imports without them.
+Collective calls: the load, the export and (with TP, PP or CP > 1) every forward must be made by all
+model-parallel and context-parallel ranks in the same order (and, with PP or CP > 1, every backward
+of its outputs). megatron's parallel state must be initialised first
+(`learner.megatron_learner.init_model_parallel`). Not here: context parallelism with TransformerEngine
+layers, virtual pipeline stages, MoE, RoPE scaling, vocabularies that TP does not divide, layer counts
+that PP does not divide. megatron-core and mbridge are imported lazily, inside functions, so the
+project imports without them.
 """
 
 from __future__ import annotations
@@ -130,6 +135,10 @@ def load_megatron_gpt(hf_dir: str | Path, megatron: MegatronConfig, dtype: torch
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     else:
         layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        if parallel_state.get_context_parallel_world_size() > 1:
+            from learner.megatron_context_parallel import context_parallel_layer_spec
+
+            layer_spec = context_parallel_layer_spec(layer_spec)
         bridge._OTHER_MAPPING = {**bridge._OTHER_MAPPING,
                                  "input_layernorm.weight": _LOCAL_SPEC_NAMES["input_layernorm.weight"]}
         bridge._MLP_MAPPING = {"pre_mlp_layernorm.weight": _LOCAL_SPEC_NAMES["pre_mlp_layernorm.weight"],
@@ -223,13 +232,30 @@ class MegatronCausalLM(nn.Module):
         if not isinstance(positions, Tensor):
             raise TypeError("logits_to_keep must be a tensor of positions (an int 'last k' is not supported)")
         hidden = self._decode(input_ids, position_ids)
-        if not self.gpt.post_process:  # (N, 1, H) [N/TP with SP] for the next stage; logits come back
+        if not self.gpt.post_process:  # (N, 1, H) [N/TP with SP, N/CP with CP] for the next stage
             shape = (positions.numel(), self.gpt.vocab_size)
             return CausalLMOutput(_SendToNextStage.apply(hidden, shape).unsqueeze(0))
-        logits = self._logits(hidden[positions, 0])  # hidden: (N, 1, H), the full sequence on every TP rank
+        if self.gpt.config.context_parallel_size > 1:
+            logits = self._context_parallel_logits(hidden, positions, length)
+        else:
+            logits = self._logits(hidden[positions, 0])  # hidden: (N, 1, H), the whole row on every TP rank
         if self.gpt.config.pipeline_model_parallel_size > 1:
             _broadcast_from_last_stage(logits.detach())
         return CausalLMOutput(logits.unsqueeze(0))
+
+    def _context_parallel_logits(self, hidden: Tensor, positions: Tensor, length: int) -> Tensor:
+        """(K, V) logits at `positions` of the row from this CP rank's chunk of final hidden states
+        (N/CP, 1, H): each rank computes its chunk's targets, all ranks get all of them, in order."""
+        from learner.megatron_context_parallel import context_chunk, gather_rows_over_context
+
+        padded, start, end = context_chunk(length)
+        size = end - start
+        chunk_of = torch.div(positions, size, rounding_mode="floor")
+        order = torch.argsort(chunk_of, stable=True)  # rank order, each chunk's targets in their order
+        counts = tuple(int(n) for n in torch.bincount(chunk_of, minlength=padded // size))
+        mine = positions[order][chunk_of[order] == start // size] - start
+        gathered = gather_rows_over_context(self._logits(hidden[mine, 0]), counts)
+        return gathered[torch.argsort(order)]
 
     def _anchor(self) -> Tensor:
         """A parameter of this stage: the input of the pipeline's autograd functions, so that autograd —
@@ -239,16 +265,28 @@ class MegatronCausalLM(nn.Module):
 
     def _decode(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """This stage's decoder output: the final hidden states (N, 1, H) on the last stage, the hidden
-        states for the next stage (N, 1, H) [N/TP with SP] on the others."""
+        states for the next stage (N, 1, H) [N/TP with SP] on the others. With context parallelism, the
+        same for this CP rank's chunk of the row (N/CP rows, the row padded to a multiple of CP)."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
         gpt, config = self.gpt, self.gpt.config
         length = input_ids.shape[1]
-        if config.sequence_parallel:  # the sequence is split over TP ranks: pad it with a dummy trajectory
-            pad = -length % config.tensor_model_parallel_size
+        # the sequence is split over TP ranks (SP) or CP ranks: pad it with a dummy trajectory
+        split = (config.tensor_model_parallel_size if config.sequence_parallel
+                 else config.context_parallel_size)
+        if split > 1:
+            pad = -length % split
             input_ids = F.pad(input_ids, (0, pad))
             dummy_positions = torch.arange(pad, device=position_ids.device)[None]
             position_ids = torch.cat([position_ids, dummy_positions], dim=1)
+        if config.context_parallel_size > 1:  # this rank's chunk, attending to the whole row (gathered K/V)
+            from learner.megatron_context_parallel import chunk_causal_mask, context_chunk
+
+            _, start, end = context_chunk(length)
+            mask: Tensor | None = chunk_causal_mask(position_ids, start, end)
+            input_ids, position_ids = input_ids[:, start:end], position_ids[:, start:end]
+        else:
+            mask = None if self.uses_transformer_engine else packed_causal_mask(position_ids)
         if gpt.pre_process:
             hidden = self._embed(input_ids, position_ids)  # (N, 1, H) [N/TP with SP]
         else:
@@ -264,10 +302,10 @@ class MegatronCausalLM(nn.Module):
                                  packed_seq_params=params)
         else:
             # RoPE at each token's own position: (N, 1, 1, D) rows of the (max position + 1) table
-            rotary = gpt.rotary_pos_emb(int(position_ids.max()) + 1)[position_ids[0]]
-            hidden = gpt.decoder(hidden_states=hidden, attention_mask=packed_causal_mask(position_ids),
-                                 rotary_pos_emb=rotary)
-        if not gpt.post_process:
+            # (packed_seq: the whole table, which megatron would otherwise cut for its own CP layout)
+            rotary = gpt.rotary_pos_emb(int(position_ids.max()) + 1, packed_seq=True)[position_ids[0]]
+            hidden = gpt.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
+        if not gpt.post_process or config.context_parallel_size > 1:
             return hidden
         if config.sequence_parallel:
             # every TP rank then holds the same full sequence and gets the same gradient: the backward

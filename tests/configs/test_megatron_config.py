@@ -22,14 +22,15 @@ def test_a_megatron_layout_with_tensor_parallelism_validates() -> None:
     assert config.megatron.tensor_model_parallel_size == 4
 
 
-def test_a_megatron_layout_with_pipeline_stages_validates() -> None:
+def test_a_megatron_layout_with_pipeline_stages_and_context_parallelism_validates() -> None:
     config = LearnerConfig.model_validate({"backend": "megatron", "megatron": {
-        "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4}})
-    assert config.megatron.pipeline_model_parallel_size == 4
+        "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4, "context_parallel_size": 2}})
+    assert (config.megatron.pipeline_model_parallel_size, config.megatron.context_parallel_size) == (4, 2)
 
 
 @pytest.mark.parametrize(("fields", "fix"), [
-    ({"context_parallel_size": 2}, "context_parallel_size=2: context parallelism is not supported"),
+    ({"context_parallel_size": 2, "transformer_impl": "transformer_engine"},
+     "context_parallel_size=2 needs transformer_impl='local'"),
     ({"sequence_parallel": True, "transformer_impl": "transformer_engine"},
      "set tensor_model_parallel_size ≥ 2"),
     ({"sequence_parallel": True, "tensor_model_parallel_size": 2},

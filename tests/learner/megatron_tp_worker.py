@@ -1,12 +1,12 @@
 """torchrun worker of tests/learner/test_megatron_learner.py: one megatron learner step per objective at
 tensor parallel size = world size (or, with --data-parallel, TP = 1 and world-size data-parallel
-replicas; with --pipeline-parallel, TP = 1 and world-size pipeline stages), on the CPU (gloo, the
-test-only CUDA shim). Rank 0 saves, per objective: the step's metrics,
+replicas; with --layout=TP,PP,CP that layout, the rest of the world data-parallel), on the CPU
+(gloo, the test-only CUDA shim). Rank 0 saves, per objective: the step's metrics,
 VCPO's ‖∇ℓ_i‖² (summed over TP) and every rank's partial sums, the weights after the step (HF names,
 TP shards gathered), and per rank: its local embedding shard shape, its weights and its ‖∇ℓ_i‖².
 
     python -m torch.distributed.run --nproc_per_node 2 tests/learner/megatron_tp_worker.py HF_DIR KIND OUT \
-        [--cuda-sequence-parallel | --data-parallel | --pipeline-parallel]
+        [--cuda-sequence-parallel | --data-parallel | --layout=TP,PP,CP]
 """
 
 from __future__ import annotations
@@ -43,10 +43,13 @@ def main(hf_dir: str, kind: str, out: str, *flags: str) -> None:
     torch.set_num_threads(1)
     on_gpu = "--cuda-sequence-parallel" in flags
     world = int(os.environ["WORLD_SIZE"])  # set by torchrun
+    layout = next((flag.removeprefix("--layout=") for flag in flags if flag.startswith("--layout=")), None)
     if "--data-parallel" in flags:
         megatron = MegatronConfig()
-    elif "--pipeline-parallel" in flags:
-        megatron = MegatronConfig(pipeline_model_parallel_size=world)
+    elif layout is not None:  # TP,PP,CP; the rest of the world is data-parallel
+        tp, pp, cp = (int(size) for size in layout.split(","))
+        megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  context_parallel_size=cp)
     else:
         megatron = MegatronConfig(tensor_model_parallel_size=world)
     device = torch.device("cpu")

@@ -1,7 +1,8 @@
 """The megatron-core learner equals the torch learner on the same batch: packed logits, the step's metrics,
 VCPO's per-trajectory squared gradient norms and the weights after one optimizer step (compared in HF
-names through mbridge's export) — in process at TP = 1, and at TP = 2, DP = 2 and PP = 2 under torchrun,
-all on the CPU with gloo and the test-only CUDA shim (tests/learner/megatron_cpu.py).
+names through mbridge's export) — in process at TP = 1, and at TP = 2, DP = 2, PP = 2 and 3, CP = 2 and
+PP × CP = 2 × 2 under torchrun, all on the CPU with gloo and the test-only CUDA shim
+(tests/learner/megatron_cpu.py).
 
 Tolerances (fp32 throughout; measured maxima on this machine in brackets): logits 1e-5 absolute
 [2e-7]; metrics 1e-5 relative [2e-6]; ‖∇ℓ_i‖² 1e-5 relative [3e-7]; weights after one Adam step at
@@ -243,7 +244,7 @@ def test_pipeline_parallel_under_torchrun_matches_the_torch_learner(checkpoints:
     hf_dir = (checkpoints[kind] if stages == 2
               else megatron_parity.write_checkpoint(kind, tmp_path / f"{kind}-{stages}", layers=stages))
     results = megatron_parity.run_tp_worker(
-        [str(hf_dir), kind, str(tmp_path / "pp.pt"), "--pipeline-parallel"], timeout=300,
+        [str(hf_dir), kind, str(tmp_path / "pp.pt"), f"--layout=1,{stages},1"], timeout=300,
         env={"OMP_NUM_THREADS": "1"}, ranks=stages)
     batch = megatron_parity.parity_batch(kind, layers=stages)
     for name in ("grpo", "vcpo"):
@@ -258,6 +259,44 @@ def test_pipeline_parallel_under_torchrun_matches_the_torch_learner(checkpoints:
     partials = results["vcpo"]["partials"]
     assert all((partial > 0).all() for partial in partials)  # every stage carries part of every norm
     torch.testing.assert_close(sum(partials), results["vcpo"]["sq_norms"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2"])
+def test_context_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints: dict[str, Path], kind: str,
+                                                                    tmp_path: Path) -> None:
+    """CP = 2: each rank runs half of every packed row (padded to even length), attention gathers the
+    keys and values of the whole row, the halves' target logits are gathered. The ranks' partial
+    gradients summed (DDP over the data × context group) give the torch learner's update; VCPO's
+    ‖∇ℓ_i‖² is of the summed per-trajectory gradient — the same on both ranks, not a sum of two shares."""
+    _needs_megatron()
+    results = megatron_parity.run_tp_worker(
+        [str(checkpoints[kind]), kind, str(tmp_path / "cp2.pt"), "--layout=1,1,2"], timeout=300,
+        env={"OMP_NUM_THREADS": "1"})
+    batch = megatron_parity.parity_batch(kind)
+    for name in ("grpo", "vcpo"):
+        got = results[name]
+        assert got["shards"] == [(160, 48), (160, 48)]  # CP keeps every weight whole on every rank
+        assert all(torch.equal(rank[key], weight) for rank in got["rank_weights"]
+                   for key, weight in got["weights"].items())
+        want = megatron_parity.run_step(megatron_parity.torch_learner(kind, name), batch)
+        _assert_same_step(megatron_parity.StepRecord(got["metrics"], got["sq_norms"], got["weights"]), want)
+    rank0, rank1 = results["vcpo"]["rank_sq_norms"]
+    torch.testing.assert_close(rank0, rank1, rtol=0, atol=0)
+
+
+def test_pipeline_and_context_parallel_with_tied_weights_match_the_torch_learner(checkpoints: dict[str, Path],
+                                                                                 tmp_path: Path) -> None:
+    """PP = 2 × CP = 2 on 4 ranks: each stage's chunk goes to the same CP rank of the next stage, the
+    tied embedding's copies are summed after the CP sum."""
+    _needs_megatron()
+    results = megatron_parity.run_tp_worker(
+        [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "pp2cp2.pt"), "--layout=1,2,2"],
+        timeout=300, env={"OMP_NUM_THREADS": "1"}, ranks=4)
+    batch = megatron_parity.parity_batch("llama_tied")
+    for name in ("grpo", "vcpo"):
+        got = results[name]
+        want = megatron_parity.run_step(megatron_parity.torch_learner("llama_tied", name), batch)
+        _assert_same_step(megatron_parity.StepRecord(got["metrics"], got["sq_norms"], got["weights"]), want)
 
 
 def _replicated_share(kind: str, batch: StepInput) -> torch.Tensor:
