@@ -77,9 +77,10 @@ class VLLMEngineSettings(StrictFrozenModel):
     """vLLM's global seed (requests without a seed draw from it)."""
     cpu_kv_cache_space_gib: int = Field(2, gt=0)
     """CPU only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE). Unset, vLLM asks for 92% of RAM."""
-    cpu_omp_threads_bind: str = "all"
-    """CPU only: cores for the worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND), e.g. '0-1';
-    'all' = every core this process may use; 'auto' gives the worker one core per NUMA node."""
+    cpu_threads: int | None = Field(None, gt=0)
+    """CPU only: torch threads the engine compiles and serves with; None = this process's torch thread
+    count (all cores unless OMP_NUM_THREADS says otherwise). vLLM 0.32 would drop to one thread for
+    serving; on 2 cores two threads decode ~1.4x faster at one request (docs/results.md)."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """GPU only: fraction of GPU memory vLLM may take (leave room for a co-located learner)."""
     cache_root: str | None = None

