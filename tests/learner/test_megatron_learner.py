@@ -1,7 +1,7 @@
 """The megatron-core learner equals the torch learner on the same batch: packed logits, the step's metrics,
 VCPO's per-trajectory squared gradient norms and the weights after one optimizer step (compared in HF
-names through mbridge's export) — in process at TP = 1, and at TP = 2, DP = 2, PP = 2 and 3, CP = 2 and
-PP × CP = 2 × 2 under torchrun, all on the CPU with gloo and the test-only CUDA shim
+names through mbridge's export) — in process at TP = 1, and at TP = 2, DP = 2, PP = 2 and 3, CP = 2,
+PP × CP = 2 × 2 and TP × PP = 2 × 2 under torchrun, all on the CPU with gloo and the test-only CUDA shim
 (tests/learner/megatron_cpu.py).
 
 Tolerances (fp32 throughout; measured maxima on this machine in brackets): logits 1e-5 absolute
@@ -284,13 +284,15 @@ def test_context_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints
     torch.testing.assert_close(rank0, rank1, rtol=0, atol=0)
 
 
-def test_pipeline_and_context_parallel_with_tied_weights_match_the_torch_learner(checkpoints: dict[str, Path],
-                                                                                 tmp_path: Path) -> None:
-    """PP = 2 × CP = 2 on 4 ranks: each stage's chunk goes to the same CP rank of the next stage, the
-    tied embedding's copies are summed after the CP sum."""
+@pytest.mark.parametrize("layout", ["1,2,2", "2,2,1"])
+def test_combined_layouts_with_tied_weights_match_the_torch_learner(checkpoints: dict[str, Path], layout: str,
+                                                                    tmp_path: Path) -> None:
+    """4 ranks, TP,PP,CP = 1,2,2: each stage's chunk goes to the same CP rank of the next stage, the tied
+    embedding's copies summed after the CP sum; 2,2,1: the vocabulary shards of the embedding and of the
+    last stage's copy of it pair up rank by rank."""
     _needs_megatron()
     results = megatron_parity.run_tp_worker(
-        [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "pp2cp2.pt"), "--layout=1,2,2"],
+        [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "combined.pt"), f"--layout={layout}"],
         timeout=300, env={"OMP_NUM_THREADS": "1"}, ranks=4)
     batch = megatron_parity.parity_batch("llama_tied")
     for name in ("grpo", "vcpo"):
