@@ -206,7 +206,6 @@ def _build_llm_engine(model_dir: Path, settings: VLLMEngineSettings, cache_root:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root / "inductor")
     set_vllm_environment_defaults()
     import torch
-
     from vllm.platforms import current_platform
 
     # On GPUs vLLM's one CPU thread is right: the CPU only schedules there.
