@@ -220,9 +220,10 @@ def _serving_threads(threads: int) -> Iterator[None]:
 
     vLLM 0.32's worker calls `set_torch_threads_for_runtime`, which drops torch to one thread unless
     OMP_NUM_THREADS is set (its reason: spin-waiting OpenMP workers in a busy server); its CPU worker then
-    replaces `torch.set_num_threads` with a no-op. On this 2-core machine one thread decodes 45.6
-    tokens/s at one request and two 64.8 (`vcpo bench engine`, docs/results.md): a decode step streams
-    every weight, and one core cannot pull the memory bandwidth two can. So OMP_NUM_THREADS is set for
+    replaces `torch.set_num_threads` with a no-op. Restoring the count after the build is not enough:
+    compilation and warm-up ran on one thread. On this 2-core machine an engine built that way decodes
+    45.6 tokens/s at one request, one built on two threads 52–65 (`vcpo bench engine`, docs/results.md).
+    So OMP_NUM_THREADS is set for
     the build (vLLM reads it there; libgomp read it at process start, so nothing else changes) and put
     back after, as are `torch.set_num_threads` and the count."""
     import torch
