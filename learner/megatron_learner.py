@@ -1,9 +1,10 @@
-"""The megatron-core learner: the torch learner's step on a tensor- and pipeline-parallel megatron GPT.
+"""The megatron-core learner: the torch learner's step on a tensor/pipeline/context-parallel megatron GPT.
 
 The step is `TorchLearner`'s — packing, the proximal pass, the objective or VCPO gradient, one
 objective call for the metrics, the ESS/lag step size — run on `MegatronCausalLM`
 (learner/megatron_model.py), a GPTModel built from the HF checkpoint; with pipeline stages its forward
-and backward pass through every stage, so each rank runs the same step on its own layers. What
+and backward pass through every stage, with context parallelism each rank runs a chunk of every row,
+and either way each rank runs the same step on its own layers and tokens. What
 differs on sharded parameters is swapped in here:
 
 * VCPO's per-trajectory norms: `accumulate_opob_grad_per_trajectory` on this rank's shards
@@ -27,9 +28,10 @@ differs on sharded parameters is swapped in here:
 
 Every model-parallel rank must call `step`, `named_weights`, `state_dict` and `save_pretrained` with
 the same arguments in the same order (they communicate). Not supported (clear errors at
-construction): context parallelism (see `MegatronConfig`), objectives needing a reference model (KL,
-TBA), entropy bonuses, activation recomputation, float16. `state_dict` holds this rank's shards under
-megatron names: a checkpoint resumes on the same parallel layout only.
+construction): context parallelism with TransformerEngine layers (see `MegatronConfig`), objectives
+needing a reference model (KL, TBA), entropy bonuses, activation recomputation, float16.
+`state_dict` holds this rank's shards under megatron names: a checkpoint resumes on the same parallel
+layout only.
 """
 
 from __future__ import annotations
