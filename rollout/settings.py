@@ -78,9 +78,10 @@ class VLLMEngineSettings(StrictFrozenModel):
     cpu_kv_cache_space_gib: int = Field(2, gt=0)
     """CPU only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE). Unset, vLLM asks for 92% of RAM."""
     cpu_threads: int | None = Field(None, gt=0)
-    """CPU only: torch threads the engine compiles and serves with; None = this process's torch thread
-    count (all cores unless OMP_NUM_THREADS says otherwise). vLLM 0.32 would build and serve on one
-    thread; on 2 cores an engine built on two decodes 1.1–1.4x faster at one request (docs/results.md)."""
+    """CPU only: torch threads the engine compiles, warms up and serves with; None = this process's torch
+    thread count (all cores unless OMP_NUM_THREADS says otherwise). Left to itself vLLM 0.32 compiles on
+    one thread; an A/B on 2 cores found no speed difference (docs/results.md), so this is a knob for
+    sharing cores (e.g. 1 for the engine beside the learner in local mode), not a speed-up."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """GPU only: fraction of GPU memory vLLM may take (leave room for a co-located learner)."""
     cache_root: str | None = None

@@ -23,9 +23,9 @@ variables (VLLM_ENABLE_V1_MULTIPROCESSING=0, VLLM_CACHE_ROOT and TORCHINDUCTOR_C
 `settings.cache_root`; unless already set: VLLM_HOST_IP=127.0.0.1, VLLM_NO_USAGE_STATS=1,
 VLLM_LOGGING_STREAM=stderr, VLLM_USE_AOT_COMPILE=0), initialises a one-rank torch.distributed
 group (torn down at close), and vLLM's CPU worker replaces `torch.set_num_threads` with a no-op —
-restored right after start-up. Threads: vLLM's worker would cut torch to one thread for serving
-unless OMP_NUM_THREADS is set; start-up sets it (to `settings.cpu_threads`, default this process's
-torch thread count) and restores it after, so the engine compiles and decodes on every core it is given
+restored right after start-up. Threads: vLLM's worker would cut torch to one thread unless
+OMP_NUM_THREADS is set; start-up sets it (to `settings.cpu_threads`, default this process's torch thread
+count) and restores it after, so the engine compiles and decodes on the threads it is given
 (`_serving_threads`). The CPU worker uses this process's torch threads (OMP binding applies only to
 vLLM's multiprocess executor). One vLLM engine per process at a time.
 """
@@ -216,16 +216,15 @@ def _build_llm_engine(model_dir: Path, settings: VLLMEngineSettings, cache_root:
 
 @contextlib.contextmanager
 def _serving_threads(threads: int) -> Iterator[None]:
-    """Build a vLLM engine (on this thread) that compiles and serves with `threads` torch threads.
+    """Build a vLLM engine (on this thread) that compiles, warms up and serves with `threads` torch threads.
 
     vLLM 0.32's worker calls `set_torch_threads_for_runtime`, which drops torch to one thread unless
     OMP_NUM_THREADS is set (its reason: spin-waiting OpenMP workers in a busy server); its CPU worker then
-    replaces `torch.set_num_threads` with a no-op. Restoring the count after the build is not enough:
-    compilation and warm-up ran on one thread. On this 2-core machine an engine built that way decodes
-    45.6 tokens/s at one request, one built on two threads 52–65 (`vcpo bench engine`, docs/results.md).
-    So OMP_NUM_THREADS is set for
-    the build (vLLM reads it there; libgomp read it at process start, so nothing else changes) and put
-    back after, as are `torch.set_num_threads` and the count."""
+    replaces `torch.set_num_threads` with a no-op. So OMP_NUM_THREADS is set for the build (vLLM reads
+    it there; libgomp read it at process start, so nothing else changes) and put back after, as are
+    `torch.set_num_threads` and the count. On 2 cores an A/B against "built on one thread, count
+    restored after" found no speed difference (docs/results.md); what this gives is a thread count the
+    caller chooses (`VLLMEngineSettings.cpu_threads`) from compilation on."""
     import torch
 
     saved_env, set_num_threads = os.environ.get("OMP_NUM_THREADS"), torch.set_num_threads
