@@ -1,0 +1,80 @@
+"""A/B probe: does building vLLM on one torch thread (vLLM 0.32's own behaviour, count restored after
+start-up) decode slower than building it on the engine's thread count (`_serving_threads`)?
+
+    .venv/bin/python scripts/probe_vllm_threads.py old   # built on one thread, count restored
+    .venv/bin/python scripts/probe_vllm_threads.py new   # built on the process's thread count
+    # alternate them a few times: single runs on a shared host vary by ±10%
+
+Prints decode tokens/s of the default model (compiled) at one request (6 × 128 tokens) and with 16
+concurrent requests. docs/results.md has the measured pairs (no difference on 2 cores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollout import vllm_engine
+from rollout.models import load_tokenizer, resolve_model, vcpo_cache_root
+from rollout.settings import VLLMEngineSettings
+from rollout.types import GenerationRequest, SamplingParams
+
+
+@contextlib.contextmanager
+def _restore_after(threads: int) -> Iterator[None]:
+    """The engine's behaviour before `_serving_threads`: let vLLM build on one thread, then restore."""
+    import torch
+
+    del threads
+    set_num_threads, count = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(count)
+
+
+async def _measure() -> tuple[float, float]:
+    cache = vcpo_cache_root() / "models"
+    model = resolve_model("default", cache).name_or_path
+    question = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
+    encoded = load_tokenizer(model, cache).apply_chat_template(question, add_generation_prompt=True)
+    prompt = tuple(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    sampling = SamplingParams(max_new_tokens=128, temperature=1.0, use_eos=False)
+    engine = vllm_engine.VLLMEngine(model, VLLMEngineSettings())
+
+    def request(name: str) -> GenerationRequest:
+        return GenerationRequest(request_id=name, prompt_token_ids=prompt, sampling=sampling)
+
+    await engine.start()
+    try:
+        await engine.generate(request("warm"))
+        start, tokens = time.perf_counter(), 0
+        for i in range(6):
+            tokens += len((await engine.generate(request(f"one-{i}"))).token_ids)
+        single = tokens / (time.perf_counter() - start)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(engine.generate(request(f"many-{i}")) for i in range(16)))
+        many = sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
+    finally:
+        await engine.close()
+    return single, many
+
+
+def main(mode: str) -> None:
+    if mode not in ("old", "new"):
+        raise SystemExit("usage: probe_vllm_threads.py old|new")
+    if mode == "old":
+        vllm_engine._serving_threads = _restore_after  # type: ignore[assignment]
+    single, many = asyncio.run(_measure())
+    print(f"{mode}: c=1 {single:.1f} tokens/s, 16 concurrent {many:.1f} tokens/s", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "")
