@@ -51,7 +51,7 @@ from configs.schema import AlgoConfig, MegatronConfig, OptimConfig, RunConfig
 from configs.task_schema import TaskConfig
 from learner.data_parallel import DataParallel
 from learner.megatron_model import MegatronCausalLM, export_hf_weights, load_megatron_gpt
-from learner.opob_grad import BaselineFn, accumulate_opob_grad_per_trajectory, sum_sq_norm
+from learner.opob_grad import BaselineFn, accumulate_opob_grad_per_trajectory, squared_sum
 from learner.packing import PackedMicroBatch
 from learner.torch_learner import TorchLearner, lr_at
 
@@ -189,7 +189,7 @@ class MegatronLearner(TorchLearner):
                 tp_partial.append(grad)
             elif param_is_not_tensor_parallel_duplicate(param):
                 own.append(grad)
-        total = sum_sq_norm([], own).to(grads[0].device) if grads else torch.zeros(())
+        total = squared_sum(own, params[0].device if params else None)
         if tp_partial:
             summed = torch.cat([g.float().flatten() for g in tp_partial])
             dist.all_reduce(summed, group=parallel_state.get_tensor_model_parallel_group())

@@ -55,12 +55,16 @@ RankSqNorm = Callable[[Sequence[nn.Parameter], Sequence[Tensor]], Tensor]
 """`rank_sq_norm(params, grads) -> ()` fp32: this rank's share of one trajectory's `‖g_i‖²`."""
 
 
-def sum_sq_norm(params: Sequence[nn.Parameter], grads: Sequence[Tensor]) -> Tensor:
-    """`Σ ‖grad‖²` in fp32 over all `grads` (every parameter counted; no communication)."""
-    del params
+def squared_sum(grads: Sequence[Tensor], device: torch.device | None = None) -> Tensor:
+    """`Σ ‖grad‖²` in fp32 over `grads`; a 0 on `device` (default CPU) when there are none."""
     if not grads:
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=device)
     return torch.stack([g.float().square().sum() for g in grads]).sum()
+
+
+def sum_sq_norm(params: Sequence[nn.Parameter], grads: Sequence[Tensor]) -> Tensor:
+    """The default `RankSqNorm`: every parameter counted, no communication."""
+    return squared_sum(grads, params[0].device if params else None)
 
 DENSE_COST_FLOPS = {"cpu": 64.0, "cuda": 2048.0}
 """Default price, in GEMM flops, of one element of the memory-bound passes (norm + two axpys)

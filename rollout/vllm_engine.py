@@ -208,14 +208,14 @@ def _build_llm_engine(model_dir: Path, settings: VLLMEngineSettings, cache_root:
     import torch
     from vllm.platforms import current_platform
 
-    # On GPUs vLLM's one CPU thread is right: the CPU only schedules there.
-    threads = _serving_threads(settings.cpu_threads or torch.get_num_threads())
-    with threads if current_platform.is_cpu() else contextlib.nullcontext():
+    # On GPUs vLLM may compile and serve on its one CPU thread (the CPU only schedules there); the
+    # process gets its count back after the build either way.
+    with _serving_threads(settings.cpu_threads or torch.get_num_threads(), current_platform.is_cpu()):
         return _engine_from_args(model_dir, settings)
 
 
 @contextlib.contextmanager
-def _serving_threads(threads: int) -> Iterator[None]:
+def _serving_threads(threads: int, keep_during_build: bool = True) -> Iterator[None]:
     """Build a vLLM engine (on this thread) that compiles, warms up and serves with `threads` torch threads.
 
     vLLM 0.32's worker calls `set_torch_threads_for_runtime`, which drops torch to one thread unless
@@ -224,12 +224,14 @@ def _serving_threads(threads: int) -> Iterator[None]:
     it there; libgomp read it at process start, so nothing else changes) and put back after, as are
     `torch.set_num_threads` and the count. On 2 cores an A/B against "built on one thread, count
     restored after" found no speed difference (docs/results.md); what this gives is a thread count the
-    caller chooses (`VLLMEngineSettings.cpu_threads`) from compilation on."""
+    caller chooses (`VLLMEngineSettings.cpu_threads`) from compilation on. `keep_during_build=False`
+    (GPUs) leaves the build to vLLM and only restores the count and `torch.set_num_threads` after."""
     import torch
 
     saved_env, set_num_threads = os.environ.get("OMP_NUM_THREADS"), torch.set_num_threads
     torch.set_num_threads(threads)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if keep_during_build:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     try:
         yield
     finally:

@@ -12,10 +12,8 @@ concurrent requests. docs/results.md has the measured pairs (no difference on 2 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -24,20 +22,6 @@ from rollout import vllm_engine
 from rollout.models import load_tokenizer, resolve_model, vcpo_cache_root
 from rollout.settings import VLLMEngineSettings
 from rollout.types import GenerationRequest, SamplingParams
-
-
-@contextlib.contextmanager
-def _restore_after(threads: int) -> Iterator[None]:
-    """The engine's behaviour before `_serving_threads`: let vLLM build on one thread, then restore."""
-    import torch
-
-    del threads
-    set_num_threads, count = torch.set_num_threads, torch.get_num_threads()
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(count)
 
 
 async def _measure() -> tuple[float, float]:
@@ -70,8 +54,9 @@ async def _measure() -> tuple[float, float]:
 def main(mode: str) -> None:
     if mode not in ("old", "new"):
         raise SystemExit("usage: probe_vllm_threads.py old|new")
-    if mode == "old":
-        vllm_engine._serving_threads = _restore_after  # type: ignore[assignment]
+    if mode == "old":  # let vLLM build on one thread; only restore the count after (the GPU path)
+        serving_threads = vllm_engine._serving_threads
+        vllm_engine._serving_threads = lambda threads, _keep=True: serving_threads(threads, False)
     single, many = asyncio.run(_measure())
     print(f"{mode}: c=1 {single:.1f} tokens/s, 16 concurrent {many:.1f} tokens/s", flush=True)
 

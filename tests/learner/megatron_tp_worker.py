@@ -1,12 +1,12 @@
 """torchrun worker of tests/learner/test_megatron_learner.py: one megatron learner step per objective at
-tensor parallel size = world size (or, with --data-parallel, TP = 1 and world-size data-parallel
-replicas; with --layout=TP,PP,CP that layout, the rest of the world data-parallel), on the CPU
-(gloo, the test-only CUDA shim). Rank 0 saves, per objective: the step's metrics,
-VCPO's ‖∇ℓ_i‖² (summed over TP) and every rank's partial sums, the weights after the step (HF names,
-TP shards gathered), and per rank: its local embedding shard shape, its weights and its ‖∇ℓ_i‖².
+tensor parallel size = world size, or with --layout=TP,PP,CP that layout (the rest of the world
+data-parallel: --layout=1,1,1 makes world-size replicas), on the CPU (gloo, the test-only CUDA shim).
+Rank 0 saves, per objective: the step's metrics, VCPO's ‖∇ℓ_i‖² (summed over the model-parallel ranks)
+and every rank's partial sums, the weights after the step (HF names, shards gathered), and per rank:
+its embedding (or output layer) shard shape, its layer count, its weights and its ‖∇ℓ_i‖².
 
     python -m torch.distributed.run --nproc_per_node 2 tests/learner/megatron_tp_worker.py HF_DIR KIND OUT \
-        [--cuda-sequence-parallel | --data-parallel | --layout=TP,PP,CP]
+        [--cuda-sequence-parallel | --layout=TP,PP,CP]
 """
 
 from __future__ import annotations
@@ -43,15 +43,11 @@ def main(hf_dir: str, kind: str, out: str, *flags: str) -> None:
     torch.set_num_threads(1)
     on_gpu = "--cuda-sequence-parallel" in flags
     world = int(os.environ["WORLD_SIZE"])  # set by torchrun
-    layout = next((flag.removeprefix("--layout=") for flag in flags if flag.startswith("--layout=")), None)
-    if "--data-parallel" in flags:
-        megatron = MegatronConfig()
-    elif layout is not None:  # TP,PP,CP; the rest of the world is data-parallel
-        tp, pp, cp = (int(size) for size in layout.split(","))
-        megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                  context_parallel_size=cp)
-    else:
-        megatron = MegatronConfig(tensor_model_parallel_size=world)
+    layout = next((flag.removeprefix("--layout=") for flag in flags if flag.startswith("--layout=")),
+                  f"{world},1,1")
+    tp, pp, cp = (int(size) for size in layout.split(","))  # the rest of the world is data-parallel
+    megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              context_parallel_size=cp)
     device = torch.device("cpu")
     if on_gpu:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

@@ -212,7 +212,7 @@ def test_data_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints: d
     the replicas end identical; each one's ‖∇ℓ_i‖² covers its own groups."""
     _needs_megatron()
     results = megatron_parity.run_tp_worker(
-        [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "dp2.pt"), "--data-parallel"],
+        [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "dp2.pt"), "--layout=1,1,1"],
         timeout=300, env={"OMP_NUM_THREADS": "1"})
     batch = megatron_parity.parity_batch("llama_tied")
     for name in ("grpo", "vcpo"):
