@@ -468,7 +468,7 @@ class SandboxBenchConfig(StrictModel):
 
 
 class EngineBenchConfig(StrictModel):
-    """`vcpo bench engine`: generated tokens/s per backend vs HF `generate`, same run."""
+    """`vcpo bench engine`: tokens/s per backend vs HF `generate`, in paired rounds (rollout/bench.py)."""
 
     model: str = "default"
     """Model spec as in model.path."""
@@ -478,6 +478,11 @@ class EngineBenchConfig(StrictModel):
     """Concurrent requests in flight."""
     max_new_tokens: int = Field(128, ge=1)
     """Tokens generated per request."""
+    min_requests: int = Field(8, ge=1)
+    """Requests per measurement at least (max(concurrency, min_requests))."""
+    rounds: int = Field(3, ge=1)
+    """Paired rounds: each measures every backend and the baseline back to back at each concurrency; the
+    speedup reported is the median of the rounds' ratios (the JSON has every round's)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Model dtype in every engine and in the baseline."""
     vllm_use_eager: bool = False

@@ -206,8 +206,8 @@ def _bench(args: argparse.Namespace) -> int:
         engine = _bench_config(args, EngineBenchConfig)
         result = run_engine_bench(engine.model, _cache_dir(), concurrencies=tuple(engine.concurrencies),
                                   max_new_tokens=engine.max_new_tokens, backends=tuple(engine.backends),
-                                  dtype=engine.dtype, vllm_use_eager=engine.vllm_use_eager,
-                                  progress=_progress)
+                                  min_requests=engine.min_requests, rounds=engine.rounds, dtype=engine.dtype,
+                                  vllm_use_eager=engine.vllm_use_eager, progress=_progress)
     elif args.name == "learner":
         from configs.schema import LearnerBenchConfig
         from learner.bench_learner import run_learner_bench

@@ -1,42 +1,39 @@
 """`vcpo bench engine`: generated tokens/s of each engine that runs here, against HF `generate`.
 
-For each concurrency c (default 1, 8, 32) every backend serves max(c, min_requests) chat prompts
-with c requests in flight at a time, each generating exactly `max_new_tokens` tokens (EOS
-ignored, temperature 1, no truncation); throughput = generated tokens / wall time. The baseline is
-HF `model.generate` on the same weights and dtype, in batches of c left-padded prompts; only
-generated tokens count (no padding). Weight push time is the median of three full-state-dict
-`load_weights` calls on an idle engine.
+For each concurrency c (default 1, 8, 32) a backend serves max(c, min_requests) chat prompts with c
+requests in flight at a time, each generating exactly `max_new_tokens` tokens (EOS ignored, temperature
+1, no truncation); throughput = generated tokens / wall time. The baseline is HF `model.generate` on the
+same weights and dtype, in batches of c left-padded prompts; only generated tokens count (no padding).
+Weight push time is the median of three full-checkpoint `load_weights` calls on an idle engine.
 
-One torch-using thread at a time: each engine is started, measured at every concurrency, timed for
-weight pushes and closed (its thread gone) before the next starts, and the baseline loads and runs in a
-thread of its own that ends before any engine starts. Why (the likely mechanism, which fits every probe;
-libgomp itself was not traced): torch's CPU kernels run on libgomp, which keeps one OpenMP team per
-calling thread; once the teams of all threads hold more threads than there are cores, libgomp stops
-spinning between parallel regions and every region pays a futex wake-up. A decode step is hundreds of
-small regions, so an engine measured while another engine's (idle) thread was alive ran at about half
-speed (vLLM c=1: 22–28 vs 42–47 tokens/s; docs/results.md). One engine per process is also how vcpo runs
-them (a Ray rollout worker holds one engine).
-
-Numbers on a shared CPU machine are still noisy: compare only within one run, on a quiet machine.
+Paired rounds. Every backend, and the baseline, lives in a process of its own (rollout/bench_worker.py
+says why one torch thread per process) and stays up for the whole run. A round measures every
+concurrency; within it the backends take turns at each concurrency, in an order rotated from round to
+round, and only one measures at a time. Each speedup is the ratio of an engine's rate to the baseline's
+at the same concurrency in the same round (measured back to back), and the report gives the median over
+rounds with every round's ratio. Why: this host's memory bandwidth swings by 2x within seconds (the
+bench's own probe read 26-56 GB/s in one minute), and a decode stream at c = 1 is bandwidth-bound for
+vLLM but overhead-bound for HF `generate`; two rates measured minutes apart compared the host's moods as
+much as the engines. The probe runs in the baseline's process at the start of every round.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 import logging
 import math
+import os
+import selectors
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from rollout.base import InferenceEngine
-from rollout.errors import EngineError
+from rollout.errors import EngineError, EngineTimeout, EngineUnavailable, MalformedResponse
 from rollout.models import load_tokenizer, resolve_model
-from rollout.runtime import join_engine_threads
-from rollout.types import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +41,11 @@ BENCH_BACKENDS = ("hf", "vllm")
 """Engines that run in-process (servers need a launcher and a GPU)."""
 TARGET_SPEEDUP = 2.5
 """Issue #4: the default engine must be ≥ 2.5x HF generate on the CPU machine."""
+BASELINE = "hf_generate"
+START_TIMEOUT_S = 1200.0
+"""A worker's start-up, first vLLM compile included (~70 s here)."""
+COMMAND_TIMEOUT_S = 1800.0
+"""One measurement or weight-push command."""
 
 _QUESTIONS = (
     "Tell me a story about a lighthouse keeper.",
@@ -63,74 +65,221 @@ def run_engine_bench(
     concurrencies: Sequence[int] = (1, 8, 32),
     max_new_tokens: int = 128,
     backends: Sequence[str] = ("hf", "vllm"),
-    min_requests: int = 16,
+    min_requests: int = 8,
+    rounds: int = 3,
     dtype: str = "float32",
     vllm_use_eager: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; returns a JSON-able dict (see the module docstring for the method)."""
-    import torch
-
     unknown = sorted(set(backends) - set(BENCH_BACKENDS))
     if unknown:
         raise ValueError(
             f"backends {unknown} cannot be benchmarked in-process; choose from {list(BENCH_BACKENDS)}"
         )
+    if rounds < 1 or min_requests < 1:
+        raise ValueError(f"rounds ({rounds}) and min_requests ({min_requests}) must be at least 1")
     say = progress or log.info
     model_dir = Path(resolve_model(model_spec, cache_dir).name_or_path)
     tokenizer = load_tokenizer(str(model_dir), cache_dir)
     prompts = [
-        tokenizer.apply_chat_template(
+        list(tokenizer.apply_chat_template(
             [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
-        )["input_ids"]
+        )["input_ids"])
         for q in _QUESTIONS
     ]
     plan = {c: max(c, min_requests) for c in concurrencies}
+    setup = {"model_dir": str(model_dir), "dtype": dtype, "prompts": prompts, "max_concurrency": max(plan),
+             "vllm_use_eager": vllm_use_eager}
     result: dict[str, Any] = {
         "model": model_spec,
         "dtype": dtype,
         "vllm_use_eager": vllm_use_eager,
         "max_new_tokens": max_new_tokens,
-        "torch_threads": torch.get_num_threads(),
+        "rounds": rounds,
         "requests_per_concurrency": {str(c): n for c, n in plan.items()},
     }
-
-    measured = asyncio.run(_bench_all(model_dir, dtype, backends, prompts, plan, max_new_tokens, say,
-                                      vllm_use_eager))
-    result.update(measured)
-    result["speedup_vs_hf_generate"] = {
-        backend: {
-            c: round(rate / result["hf_generate"]["tokens_per_s"][c], 2)
-            for c, rate in numbers["tokens_per_s"].items()
-        }
-        for backend, numbers in result["backends"].items()
-    }
+    result.update(_bench_all(setup, (BASELINE, *backends), plan, max_new_tokens, rounds, say))
+    result["speedup_vs_hf_generate"], result["speedup_per_round"] = _speedups(result)
     result["decode_bound"] = _decode_bound(model_dir, dtype, result)
     default = "vllm" if "vllm" in result["backends"] else "hf"
+    medians = result["speedup_vs_hf_generate"].get(default, {})
     result["target"] = {
         "backend": default,
         "speedup": TARGET_SPEEDUP,
-        "is_met": {
-            c: ratio >= TARGET_SPEEDUP
-            for c, ratio in result["speedup_vs_hf_generate"].get(default, {}).items()
+        "is_met": {c: ratio >= TARGET_SPEEDUP for c, ratio in medians.items()},
+        "is_met_in_every_round": {
+            c: min(ratios) >= TARGET_SPEEDUP
+            for c, ratios in result["speedup_per_round"].get(default, {}).items()
         },
     }
     return result
 
 
-def memory_read_gbps(size_mib: int = 1024, repeats: int = 5) -> float:
-    """Best-of-`repeats` memory read bandwidth of this process's torch threads, GB/s: a sum over a
-    `size_mib` float32 tensor (far larger than any cache), so every byte comes from DRAM."""
-    import torch
+def _bench_all(
+    setup: dict[str, Any],
+    names: Sequence[str],
+    plan: dict[int, int],
+    max_new_tokens: int,
+    rounds: int,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """Start every worker (one at a time), run the paired rounds, time the engines' weight pushes, close."""
+    workers: dict[str, BenchWorker] = {}
+    unavailable: dict[str, str] = {}
+    rates: dict[str, dict[str, list[float]]] = {}
+    start_s: dict[str, float] = {}
+    gbps: list[float] = []
+    pushes: dict[str, float] = {}
+    try:
+        for name in names:
+            say(f"starting {name}")
+            try:
+                workers[name], start_s[name] = BenchWorker.start({**setup, "backend": name})
+            except EngineError as exc:
+                if name == BASELINE:
+                    raise
+                unavailable[name] = str(exc)
+                say(f"{name} unavailable: {exc}")
+        rates = {name: {str(c): [] for c in plan} for name in workers}
+        for round_ in range(rounds):
+            gbps.append(round(workers[BASELINE].ask({"op": "bandwidth"})["gbps"], 1))
+            for c, n in plan.items():
+                live = [name for name in names if name in workers]
+                for name in live[round_ % len(live):] + live[: round_ % len(live)]:
+                    say(f"round {round_ + 1}/{rounds}, concurrency {c}: {name}")
+                    command = {"op": "serve", "concurrency": c, "num_requests": n,
+                               "max_new_tokens": max_new_tokens, "tag": f"r{round_}-c{c}"}
+                    try:
+                        rates[name][str(c)].append(round(workers[name].ask(command)["tokens_per_s"], 1))
+                    except EngineError as exc:
+                        if name == BASELINE:
+                            raise
+                        unavailable[name] = str(exc)
+                        say(f"{name} failed: {exc}")
+                        workers.pop(name).close()
+                        rates.pop(name)
+        for name in [name for name in workers if name != BASELINE]:
+            say(f"weight push: {name}")
+            pushes[name] = workers[name].ask({"op": "push"})["weight_push_s"]
+    finally:
+        for worker in workers.values():
+            worker.close()
+    numbers = {
+        name: {"start_s": start_s[name], "weight_push_s": pushes[name],
+               "tokens_per_s": {c: statistics.median(r) for c, r in per_c.items()},
+               "tokens_per_s_per_round": per_c}
+        for name, per_c in rates.items() if name != BASELINE
+    }
+    baseline = rates[BASELINE]
+    return {
+        "hf_generate": {"tokens_per_s": {c: statistics.median(r) for c, r in baseline.items()},
+                        "tokens_per_s_per_round": baseline},
+        "backends": numbers,
+        "unavailable": unavailable,
+        "memory_read_gbps_per_round": gbps,
+    }
 
-    data = torch.ones(size_mib * 2**20 // 4)
-    float(data.sum())  # touch every page first
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        float(data.sum())
-        best = min(best, time.perf_counter() - started)
-    return data.numel() * 4 / best / 1e9
+
+Ratios = dict[str, dict[str, list[float]]]
+
+
+def _speedups(result: dict[str, Any]) -> tuple[dict[str, dict[str, float]], Ratios]:
+    """Each engine's rate over the baseline's, per concurrency: every round's ratio, and their median."""
+    baseline = result["hf_generate"]["tokens_per_s_per_round"]
+    per_round = {
+        backend: {c: [round(rate / base, 2) for rate, base in zip(rates, baseline[c], strict=True)]
+                  for c, rates in numbers["tokens_per_s_per_round"].items()}
+        for backend, numbers in result["backends"].items()
+    }
+    medians = {backend: {c: round(statistics.median(r), 2) for c, r in ratios.items()}
+               for backend, ratios in per_round.items()}
+    return medians, per_round
+
+
+class BenchWorker:
+    """The parent's handle on one `rollout.bench_worker` process: JSON lines, every wait bounded."""
+
+    def __init__(self, process: subprocess.Popen[bytes], backend: str) -> None:
+        self._process, self.backend = process, backend
+        self._buffer = b""
+
+    @classmethod
+    def start(cls, setup: dict[str, Any], timeout_s: float = START_TIMEOUT_S) -> tuple[BenchWorker, float]:
+        """Start a worker for `setup["backend"]` and wait until it is warm; returns it and its start-up
+        seconds. EngineUnavailable if the backend cannot start here (with the worker's reason)."""
+        process = subprocess.Popen([sys.executable, "-m", "rollout.bench_worker"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, env=os.environ.copy())
+        worker = cls(process, setup["backend"])
+        try:
+            worker._send(setup)
+            ready = worker._receive(timeout_s)
+        except BaseException:
+            worker.close()
+            raise
+        if "error" in ready:
+            worker.close()
+            raise EngineUnavailable(worker.backend, "the engine did not start", ready["error"])
+        return worker, ready["start_s"]
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def ask(self, command: dict[str, Any], timeout_s: float = COMMAND_TIMEOUT_S) -> dict[str, Any]:
+        """Send one command and wait for its answer; an engine's error answer raises EngineError."""
+        self._send(command)
+        answer = self._receive(timeout_s)
+        if "error" in answer:
+            raise EngineError(self.backend, f"{command['op']} failed", answer["error"])
+        return answer
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Ask the worker to close its engine and exit; kill it if it does not within `timeout_s`."""
+        if self._process.poll() is None:
+            try:
+                self._send({"op": "close"})
+                self._process.wait(timeout_s)
+            except (EngineError, OSError, subprocess.TimeoutExpired):
+                self._process.kill()
+                self._process.wait()
+        for pipe in (self._process.stdin, self._process.stdout):
+            if pipe is not None:
+                pipe.close()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self._process.stdin is not None
+        try:
+            self._process.stdin.write(json.dumps(message).encode() + b"\n")
+            self._process.stdin.flush()
+        except BrokenPipeError as exc:
+            raise self._gone() from exc
+
+    def _receive(self, timeout_s: float) -> dict[str, Any]:
+        assert self._process.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._process.stdout, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not selector.select(left):
+                    self._process.kill()
+                    raise EngineTimeout(self.backend,
+                                        f"the bench worker did not answer within {timeout_s:.0f} s")
+                chunk = os.read(self._process.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    raise self._gone()
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise MalformedResponse(self.backend, "the bench worker wrote something that is not a JSON line",
+                              line[:200].decode(errors="replace")) from exc
+
+    def _gone(self) -> EngineUnavailable:
+        code = self._process.wait()
+        return EngineUnavailable(self.backend, f"the bench worker exited (code {code}); its log is on stderr")
 
 
 def _decode_bound(model_dir: Path, dtype: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -151,155 +300,19 @@ def _decode_bound(model_dir: Path, dtype: str, result: dict[str, Any]) -> dict[s
     parameters = sum(sizes.values())
     if parameters == 0:
         return {"error": f"no *.safetensors weights in {model_dir}"}
-    gbps = memory_read_gbps()
-    bound = gbps * 1e9 / (parameters * element)
-    rates = {"hf_generate": result["hf_generate"]["tokens_per_s"].get("1")}
-    rates.update({name: numbers["tokens_per_s"].get("1") for name, numbers in result["backends"].items()})
+    rounds = result["memory_read_gbps_per_round"]
+    gbps = statistics.median(rounds)
+    weight_bytes = parameters * element
+    per_round = {BASELINE: result["hf_generate"]["tokens_per_s_per_round"].get("1", [])}
+    per_round.update({name: numbers["tokens_per_s_per_round"].get("1", [])
+                      for name, numbers in result["backends"].items()})
     return {
-        "memory_read_gbps": round(gbps, 1), "weight_bytes": parameters * element,
-        "tokens_per_s_c1": round(bound, 1),
-        "fraction_of_bound_c1": {name: round(rate / bound, 2) for name, rate in rates.items() if rate},
+        "memory_read_gbps": round(gbps, 1), "weight_bytes": weight_bytes,
+        "tokens_per_s_c1": round(gbps * 1e9 / weight_bytes, 1),
+        # each round's c=1 rate against that round's bound (the probe ran at the start of the round)
+        "fraction_of_bound_c1": {
+            name: round(statistics.median(rate * weight_bytes / (bw * 1e9)
+                                          for rate, bw in zip(rates, rounds, strict=True)), 2)
+            for name, rates in per_round.items() if rates
+        },
     }
-
-
-
-def _build(backend: str, model_dir: Path, dtype: str, max_concurrency: int, vllm_use_eager: bool = False
-           ) -> InferenceEngine:
-    if backend == "hf":
-        from rollout.hf_engine import HFEngine
-        from rollout.settings import HFEngineSettings
-
-        return HFEngine(model_dir, HFEngineSettings(dtype=dtype, max_batch_size=max(32, max_concurrency)))
-    if backend == "vllm":
-        from rollout.settings import VLLMEngineSettings
-        from rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(
-            model_dir,
-            VLLMEngineSettings(dtype=dtype, max_model_len=1024, max_num_seqs=max(32, max_concurrency),
-                               use_eager=vllm_use_eager),
-        )
-    raise AssertionError(backend)  # run_engine_bench validated the names
-
-
-async def _bench_all(
-    model_dir: Path,
-    dtype: str,
-    backends: Sequence[str],
-    prompts: list[list[int]],
-    plan: dict[int, int],
-    max_new_tokens: int,
-    say: Callable[[str], None],
-    vllm_use_eager: bool = False,
-) -> dict[str, Any]:
-    """Each engine alone (started, measured at every concurrency, weight pushes timed, closed), then HF
-    generate in a thread of its own (see the module docstring for why one torch thread at a time)."""
-    loop = asyncio.get_running_loop()
-    with ThreadPoolExecutor(1, thread_name_prefix="vcpo-bench-baseline") as pool:  # the thread ends here
-        baseline = await loop.run_in_executor(pool, _HFGenerateBaseline, model_dir, dtype, prompts)
-    numbers: dict[str, dict[str, Any]] = {}
-    unavailable: dict[str, str] = {}
-    for backend in backends:
-        say(f"starting {backend}")
-        started = time.perf_counter()
-        try:
-            async with _build(backend, model_dir, dtype, max(plan), vllm_use_eager) as engine:
-                await _serve(engine, prompts, 2, 2, 8, "warmup")
-                numbers[backend] = {"start_s": round(time.perf_counter() - started, 1), "tokens_per_s": {}}
-                for c, n in plan.items():
-                    say(f"concurrency {c}: {backend}")
-                    rate = await _serve(engine, prompts, n, c, max_new_tokens, f"c{c}")
-                    numbers[backend]["tokens_per_s"][str(c)] = round(rate, 1)
-                numbers[backend]["weight_push_s"] = await _push_time(engine, baseline.state_dict())
-        except (EngineError, ImportError) as exc:
-            numbers.pop(backend, None)
-            unavailable[backend] = str(exc)
-            say(f"{backend} unavailable: {exc}")
-        join_engine_threads()
-    baseline_rates = {}
-    with ThreadPoolExecutor(1, thread_name_prefix="vcpo-bench-baseline") as pool:
-        for c, n in plan.items():
-            say(f"concurrency {c}: HF generate")
-            baseline_rates[str(c)] = await loop.run_in_executor(pool, baseline.tokens_per_s, n, c,
-                                                                max_new_tokens)
-    return {"hf_generate": {"tokens_per_s": baseline_rates}, "backends": numbers, "unavailable": unavailable}
-
-
-async def _push_time(engine: InferenceEngine, state_dict: dict[str, Any]) -> float:
-    """Median of three full-state-dict loads on an idle engine, in seconds."""
-    pushes = []
-    for _ in range(3):
-        started = time.perf_counter()
-        await engine.load_weights(state_dict.items(), engine.version + 1)
-        pushes.append(time.perf_counter() - started)
-    return round(statistics.median(pushes), 3)
-
-
-async def _serve(
-    engine: InferenceEngine,
-    prompts: list[list[int]],
-    num_requests: int,
-    concurrency: int,
-    max_new_tokens: int,
-    tag: str,
-) -> float:
-    """Generated tokens/s with `concurrency` requests in flight."""
-    slots = asyncio.Semaphore(concurrency)
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, use_eos=False)
-
-    async def one(i: int) -> int:
-        async with slots:
-            request = GenerationRequest(
-                request_id=f"{tag}-{i}",
-                prompt_token_ids=prompts[i % len(prompts)],
-                sampling=sampling.model_copy(update={"seed": i}),
-            )
-            return len((await engine.generate(request)).token_ids)
-
-    started = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one(i) for i in range(num_requests))))
-    return tokens / (time.perf_counter() - started)
-
-
-class _HFGenerateBaseline:
-    """HF `generate` in batches of c left-padded prompts; counts generated tokens only."""
-
-    def __init__(self, model_dir: Path, dtype: str, prompts: list[list[int]]) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self._model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-        self._pad = self._model.generation_config.pad_token_id or 0
-        self._prompts = prompts
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._model.state_dict()
-
-    def tokens_per_s(self, num_requests: int, batch: int, max_new_tokens: int) -> float:
-        ordered = [self._prompts[i % len(self._prompts)] for i in range(num_requests)]
-        self._generate(ordered[:2], 8)  # warm-up
-        started = time.perf_counter()
-        tokens = sum(
-            self._generate(ordered[i : i + batch], max_new_tokens) for i in range(0, num_requests, batch)
-        )
-        return round(tokens / (time.perf_counter() - started), 1)
-
-    def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> int:
-        import torch
-
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self._pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        with torch.inference_mode():
-            out = self._model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                pad_token_id=self._pad,
-            )
-        return (out.shape[1] - width) * len(prompts)

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -234,11 +233,3 @@ class StepRuntime:
 
 def _thread_name(engine: str) -> str:
     return f"vcpo-{engine}-engine"
-
-
-def join_engine_threads(timeout_s: float = 30.0) -> None:
-    """Wait until closed engines' step threads have exited (`shutdown` does not wait for them, so a hung
-    step cannot block close); the engine benchmark needs them gone before it measures the next engine."""
-    for thread in threading.enumerate():
-        if thread.name.startswith("vcpo-") and thread.name.rsplit("_", 1)[0].endswith("-engine"):
-            thread.join(timeout_s)
