@@ -80,14 +80,7 @@ def run_engine_bench(
     if rounds < 1 or min_requests < 1:
         raise ValueError(f"rounds ({rounds}) and min_requests ({min_requests}) must be at least 1")
     say = progress or log.info
-    model_dir = Path(resolve_model(model_spec, cache_dir).name_or_path)
-    tokenizer = load_tokenizer(str(model_dir), cache_dir)
-    prompts = [
-        list(tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
-        )["input_ids"])
-        for q in _QUESTIONS
-    ]
+    model_dir, prompts = bench_prompts(model_spec, cache_dir)
     plan = {c: max(c, min_requests) for c in concurrencies}
     setup = {"model_dir": str(model_dir), "dtype": dtype, "prompts": prompts, "max_concurrency": max(plan),
              "vllm_use_eager": vllm_use_eager}
@@ -114,6 +107,18 @@ def run_engine_bench(
         },
     }
     return result
+
+
+def bench_prompts(model_spec: str, cache_dir: Path, questions: Sequence[str] = _QUESTIONS
+                  ) -> tuple[Path, list[list[int]]]:
+    """The model's directory and `questions` as its chat prompts (token ids), as the bench sends them."""
+    model_dir = Path(resolve_model(model_spec, cache_dir).name_or_path)
+    tokenizer = load_tokenizer(str(model_dir), cache_dir)
+    return model_dir, [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=True)["input_ids"])
+        for q in questions
+    ]
 
 
 def _bench_all(

@@ -29,6 +29,7 @@ from rollout.bench_worker import memory_read_gbps
 
 _LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down (N, K)
 _LAYERS, _LM_HEAD = 30, (49152, 576)
+_QUESTION = "Tell me a story about a lighthouse keeper."
 
 
 def gemv() -> None:
@@ -59,7 +60,8 @@ def gemv() -> None:
 
 async def step() -> None:
     from rollout import vllm_engine
-    from rollout.models import load_tokenizer, resolve_model, vcpo_cache_root
+    from rollout.bench import bench_prompts
+    from rollout.models import vcpo_cache_root
     from rollout.settings import VLLMEngineSettings
     from rollout.types import GenerationRequest, SamplingParams
 
@@ -77,11 +79,7 @@ async def step() -> None:
 
         setattr(owner, method, wrapper)
 
-    cache = vcpo_cache_root() / "models"
-    model = resolve_model("default", cache).name_or_path
-    question = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
-    encoded = load_tokenizer(model, cache).apply_chat_template(question, add_generation_prompt=True)
-    prompt = tuple(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    model, (prompt,) = bench_prompts("default", vcpo_cache_root() / "models", [_QUESTION])
     sampling = SamplingParams(max_new_tokens=128, temperature=1.0, use_eos=False)
     engine = vllm_engine.VLLMEngine(model, VLLMEngineSettings())
     await engine.start()
@@ -95,12 +93,12 @@ async def step() -> None:
         timed(runner, "_model_forward", "    model forward (30 layers, no lm_head)")
         timed(runner, "sample_tokens", "  sample_tokens")
         timed(runner.sampler, "forward", "    sampler")
-        request = GenerationRequest(request_id="warm", prompt_token_ids=prompt, sampling=sampling)
+        request = GenerationRequest(request_id="warm", prompt_token_ids=tuple(prompt), sampling=sampling)
         await engine.generate(request)
         seconds.clear()
         started, tokens = time.perf_counter(), 0
         for i in range(6):
-            request = GenerationRequest(request_id=f"r{i}", prompt_token_ids=prompt, sampling=sampling)
+            request = GenerationRequest(request_id=f"r{i}", prompt_token_ids=tuple(prompt), sampling=sampling)
             tokens += len((await engine.generate(request)).token_ids)
         wall = time.perf_counter() - started
     finally:

@@ -19,22 +19,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout import vllm_engine
-from rollout.models import load_tokenizer, resolve_model, vcpo_cache_root
+from rollout.bench import bench_prompts
+from rollout.models import vcpo_cache_root
 from rollout.settings import VLLMEngineSettings
 from rollout.types import GenerationRequest, SamplingParams
 
+_QUESTION = "Tell me a story about a lighthouse keeper."
+
 
 async def _measure() -> tuple[float, float]:
-    cache = vcpo_cache_root() / "models"
-    model = resolve_model("default", cache).name_or_path
-    question = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
-    encoded = load_tokenizer(model, cache).apply_chat_template(question, add_generation_prompt=True)
-    prompt = tuple(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    model, (prompt,) = bench_prompts("default", vcpo_cache_root() / "models", [_QUESTION])
     sampling = SamplingParams(max_new_tokens=128, temperature=1.0, use_eos=False)
     engine = vllm_engine.VLLMEngine(model, VLLMEngineSettings())
 
     def request(name: str) -> GenerationRequest:
-        return GenerationRequest(request_id=name, prompt_token_ids=prompt, sampling=sampling)
+        return GenerationRequest(request_id=name, prompt_token_ids=tuple(prompt), sampling=sampling)
 
     await engine.start()
     try:
