@@ -133,14 +133,14 @@ def _bench_all(
     workers: dict[str, BenchWorker] = {}
     unavailable: dict[str, str] = {}
     rates: dict[str, dict[str, list[float]]] = {}
-    start_s: dict[str, float] = {}
+    ready: dict[str, dict[str, Any]] = {}
     gbps: list[float] = []
     pushes: dict[str, float] = {}
     try:
         for name in names:
             say(f"starting {name}")
             try:
-                workers[name], start_s[name] = BenchWorker.start({**setup, "backend": name})
+                workers[name], ready[name] = BenchWorker.start({**setup, "backend": name})
             except EngineError as exc:
                 if name == BASELINE:
                     raise
@@ -171,14 +171,16 @@ def _bench_all(
         for worker in workers.values():
             worker.close()
     numbers = {
-        name: {"start_s": start_s[name], "weight_push_s": pushes[name],
-               "tokens_per_s": {c: statistics.median(r) for c, r in per_c.items()},
+        name: {"start_s": ready[name]["start_s"], "torch_threads": ready[name]["torch_threads"],
+               "weight_push_s": pushes[name],
+               "tokens_per_s": {c: round(statistics.median(r), 1) for c, r in per_c.items()},
                "tokens_per_s_per_round": per_c}
         for name, per_c in rates.items() if name != BASELINE
     }
     baseline = rates[BASELINE]
     return {
-        "hf_generate": {"tokens_per_s": {c: statistics.median(r) for c, r in baseline.items()},
+        "hf_generate": {"torch_threads": ready[BASELINE]["torch_threads"],
+                        "tokens_per_s": {c: round(statistics.median(r), 1) for c, r in baseline.items()},
                         "tokens_per_s_per_round": baseline},
         "backends": numbers,
         "unavailable": unavailable,
@@ -210,11 +212,13 @@ class BenchWorker:
         self._buffer = b""
 
     @classmethod
-    def start(cls, setup: dict[str, Any], timeout_s: float = START_TIMEOUT_S) -> tuple[BenchWorker, float]:
-        """Start a worker for `setup["backend"]` and wait until it is warm; returns it and its start-up
-        seconds. EngineUnavailable if the backend cannot start here (with the worker's reason)."""
+    def start(cls, setup: dict[str, Any], timeout_s: float = START_TIMEOUT_S
+              ) -> tuple[BenchWorker, dict[str, Any]]:
+        """Start a worker for `setup["backend"]` and wait until it is warm; returns it and its ready answer
+        (start-up seconds, torch threads). EngineUnavailable if the backend cannot start here (with the
+        worker's reason)."""
         process = subprocess.Popen([sys.executable, "-m", "rollout.bench_worker"], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, env=os.environ.copy())
+                                   stdout=subprocess.PIPE)
         worker = cls(process, setup["backend"])
         try:
             worker._send(setup)
@@ -225,7 +229,7 @@ class BenchWorker:
         if "error" in ready:
             worker.close()
             raise EngineUnavailable(worker.backend, "the engine did not start", ready["error"])
-        return worker, ready["start_s"]
+        return worker, ready
 
     @property
     def pid(self) -> int:

@@ -10,8 +10,8 @@ backend can stay up for the whole run and the parent can interleave their measur
 
 Protocol (JSON lines). The parent writes the setup as the first line of stdin:
 {"backend": "hf_generate" | "hf" | "vllm", "model_dir", "dtype", "prompts", "max_concurrency",
-"vllm_use_eager"}. The worker answers {"ready": true, "start_s"} or {"error", "unavailable": true}, then
-one line per command:
+"vllm_use_eager"}. The worker answers {"ready": true, "start_s", "torch_threads"} or {"error",
+"unavailable": true}, then one line per command:
   {"op": "serve", "concurrency", "num_requests", "max_new_tokens", "tag"}
                        -> {"tokens_per_s", "pid", "threads"}
   {"op": "push"}       -> {"weight_push_s"}   (engines: median of three full-checkpoint loads)
@@ -90,7 +90,7 @@ async def _serve_engine(setup: dict[str, Any], reply: Reply, commands: TextIO) -
         return
     try:
         await serve_requests(engine, prompts, 2, 2, 8, "warmup")
-        reply({"ready": True, "start_s": round(time.perf_counter() - started, 1)})
+        reply(_ready(started))
         loop = asyncio.get_running_loop()
         while line := await loop.run_in_executor(None, commands.readline):  # a plain thread: no torch
             command = json.loads(line)
@@ -117,7 +117,7 @@ def _serve_baseline(setup: dict[str, Any], reply: Reply, commands: TextIO) -> No
     started = time.perf_counter()
     baseline = HFGenerateBaseline(Path(setup["model_dir"]), setup["dtype"], setup["prompts"])
     baseline.generate(baseline.prompts[:2], 8)  # warm-up
-    reply({"ready": True, "start_s": round(time.perf_counter() - started, 1)})
+    reply(_ready(started))
     while line := commands.readline():
         command = json.loads(line)
         if command["op"] == "close":
@@ -131,6 +131,13 @@ def _serve_baseline(setup: dict[str, Any], reply: Reply, commands: TextIO) -> No
         else:
             reply({"error": f"ValueError: HF generate does not do {command['op']!r}"})
     reply({"closed": True})
+
+
+def _ready(started: float) -> dict[str, Any]:
+    import torch
+
+    return {"ready": True, "start_s": round(time.perf_counter() - started, 1),
+            "torch_threads": torch.get_num_threads()}
 
 
 def _whoami() -> dict[str, Any]:
