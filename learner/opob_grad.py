@@ -66,6 +66,7 @@ def sum_sq_norm(params: Sequence[nn.Parameter], grads: Sequence[Tensor]) -> Tens
     """The default `RankSqNorm`: every parameter counted, no communication."""
     return squared_sum(grads, params[0].device if params else None)
 
+
 DENSE_COST_FLOPS = {"cpu": 64.0, "cuda": 2048.0}
 """Default price, in GEMM flops, of one element of the memory-bound passes (norm + two axpys)
 that materialising a per-trajectory weight gradient costs; decides Gram vs dense per layer.

@@ -132,7 +132,6 @@ def _bench_all(
     """Start every worker (one at a time), run the paired rounds, time the engines' weight pushes, close."""
     workers: dict[str, BenchWorker] = {}
     unavailable: dict[str, str] = {}
-    rates: dict[str, dict[str, list[float]]] = {}
     ready: dict[str, dict[str, Any]] = {}
     gbps: list[float] = []
     pushes: dict[str, float] = {}
@@ -146,7 +145,7 @@ def _bench_all(
                     raise
                 unavailable[name] = str(exc)
                 say(f"{name} unavailable: {exc}")
-        rates = {name: {str(c): [] for c in plan} for name in workers}
+        rates: dict[str, dict[str, list[float]]] = {name: {str(c): [] for c in plan} for name in workers}
         for round_ in range(rounds):
             gbps.append(round(workers[BASELINE].ask({"op": "bandwidth"})["gbps"], 1))
             for c, n in plan.items():

@@ -32,7 +32,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -52,29 +52,43 @@ def main() -> None:
     def reply(message: dict[str, Any]) -> None:
         channel.write(json.dumps(message) + "\n")
 
-    if setup["backend"] == "hf_generate":
-        _serve_baseline(setup, reply, sys.stdin)
-    else:
-        asyncio.run(_serve_engine(setup, reply, sys.stdin))
+    serve = _serve_baseline if setup["backend"] == "hf_generate" else _serve_engine
+    asyncio.run(serve(setup, reply, sys.stdin))
 
 
 def build_engine(backend: str, model_dir: Path, dtype: str, max_concurrency: int, vllm_use_eager: bool = False
                  ) -> InferenceEngine:
+    """The unstarted engine the bench measures (rollout.factory's, with room for `max_concurrency`)."""
+    from rollout.factory import build_engine as build
+    from rollout.settings import HFEngineSettings, VLLMEngineSettings
+
+    batch = max(32, max_concurrency)
     if backend == "hf":
-        from rollout.hf_engine import HFEngine
-        from rollout.settings import HFEngineSettings
-
-        return HFEngine(model_dir, HFEngineSettings(dtype=dtype, max_batch_size=max(32, max_concurrency)))
+        return build(HFEngineSettings(dtype=dtype, max_batch_size=batch), model_dir)
     if backend == "vllm":
-        from rollout.settings import VLLMEngineSettings
-        from rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(
-            model_dir,
-            VLLMEngineSettings(dtype=dtype, max_model_len=1024, max_num_seqs=max(32, max_concurrency),
-                               use_eager=vllm_use_eager),
-        )
+        return build(VLLMEngineSettings(dtype=dtype, max_model_len=1024, max_num_seqs=batch,
+                                        use_eager=vllm_use_eager), model_dir)
     raise ValueError(f"no engine backend {backend!r}")
+
+
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+async def _answer_commands(reply: Reply, commands: TextIO, handlers: dict[str, Handler]) -> None:
+    """Answer the parent's commands in order until "close" or the end of stdin (read on a plain thread,
+    which never runs torch); an engine failure is answered, not raised."""
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, commands.readline):
+        command = json.loads(line)
+        if command["op"] == "close":
+            break
+        handler = handlers.get(command["op"])
+        try:
+            if handler is None:
+                raise ValueError(f"this worker does not do {command['op']!r}; it does {sorted(handlers)}")
+            reply(await handler(command))
+        except (EngineError, ValueError) as exc:
+            reply({"error": f"{type(exc).__name__}: {exc}"})
 
 
 async def _serve_engine(setup: dict[str, Any], reply: Reply, commands: TextIO) -> None:
@@ -88,48 +102,40 @@ async def _serve_engine(setup: dict[str, Any], reply: Reply, commands: TextIO) -
     except (EngineError, ImportError) as exc:
         reply({"error": f"{type(exc).__name__}: {exc}", "unavailable": True})
         return
+
+    async def serve(command: dict[str, Any]) -> dict[str, Any]:
+        rate = await serve_requests(engine, prompts, command["num_requests"], command["concurrency"],
+                                    command["max_new_tokens"], command["tag"])
+        return {"tokens_per_s": rate, **_whoami()}
+
+    async def push(command: dict[str, Any]) -> dict[str, Any]:
+        return {"weight_push_s": await push_time(engine, _checkpoint(model_dir))}
+
     try:
         await serve_requests(engine, prompts, 2, 2, 8, "warmup")
         reply(_ready(started))
-        loop = asyncio.get_running_loop()
-        while line := await loop.run_in_executor(None, commands.readline):  # a plain thread: no torch
-            command = json.loads(line)
-            if command["op"] == "close":
-                break
-            try:
-                if command["op"] == "serve":
-                    rate = await serve_requests(engine, prompts, command["num_requests"],
-                                                command["concurrency"], command["max_new_tokens"],
-                                                command["tag"])
-                    reply({"tokens_per_s": rate, **_whoami()})
-                elif command["op"] == "push":
-                    reply({"weight_push_s": await push_time(engine, _checkpoint(model_dir))})
-                else:
-                    reply({"error": f"ValueError: {setup['backend']} does not do {command['op']!r}"})
-            except EngineError as exc:
-                reply({"error": f"{type(exc).__name__}: {exc}"})
+        await _answer_commands(reply, commands, {"serve": serve, "push": push})
     finally:
         await engine.close()
     reply({"closed": True})
 
 
-def _serve_baseline(setup: dict[str, Any], reply: Reply, commands: TextIO) -> None:
+async def _serve_baseline(setup: dict[str, Any], reply: Reply, commands: TextIO) -> None:
+    """HF generate runs on this (the main) thread, blocking the loop while it measures: nothing else runs."""
     started = time.perf_counter()
     baseline = HFGenerateBaseline(Path(setup["model_dir"]), setup["dtype"], setup["prompts"])
     baseline.generate(baseline.prompts[:2], 8)  # warm-up
+
+    async def serve(command: dict[str, Any]) -> dict[str, Any]:
+        rate = baseline.tokens_per_s(command["num_requests"], command["concurrency"],
+                                     command["max_new_tokens"])
+        return {"tokens_per_s": rate, **_whoami()}
+
+    async def bandwidth(command: dict[str, Any]) -> dict[str, Any]:
+        return {"gbps": memory_read_gbps()}
+
     reply(_ready(started))
-    while line := commands.readline():
-        command = json.loads(line)
-        if command["op"] == "close":
-            break
-        if command["op"] == "serve":
-            rate = baseline.tokens_per_s(command["num_requests"], command["concurrency"],
-                                         command["max_new_tokens"])
-            reply({"tokens_per_s": rate, **_whoami()})
-        elif command["op"] == "bandwidth":
-            reply({"gbps": memory_read_gbps()})
-        else:
-            reply({"error": f"ValueError: HF generate does not do {command['op']!r}"})
+    await _answer_commands(reply, commands, {"serve": serve, "bandwidth": bandwidth})
     reply({"closed": True})
 
 
