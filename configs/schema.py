@@ -189,8 +189,13 @@ class OTBObjective(StrictModel):
 
 
 class OPOBConfig(StrictModel):
-    """VCPO part 2: the off-policy optimal baseline b* (VCPO.md)."""
+    """VCPO part 2: the off-policy optimal baseline b* (docs/algorithm.md)."""
 
+    form: Literal["spec", "reference"] = "spec"
+    """Which OPOB: 'spec' — ω_i = w_i² ‖∇ℓ_i‖² of the unweighted mean-token gradient, σ_g with Bessel
+    + ε, degenerate groups exactly 0; 'reference' — the authors' code (mit-han-lab/vcpo), ω_i =
+    w̄_i² w_i² ‖∇Σ_t log π‖², b = Σ ωR / (Σ ω + 1e-8), population σ_g applied where > 1e-8 (the form
+    the paper's numbers come from)."""
     scope: Literal["group", "minibatch"] = "group"
     """Compute one b* per prompt group (default) or one for the whole minibatch."""
     use_is_weights: bool = True
@@ -202,9 +207,11 @@ class OPOBConfig(StrictModel):
     divide_by_std: bool = True
     """Divide the advantage R_i − b* by the group reward std σ_g."""
     aggregation: Literal["weighted_mean", "weighted_median", "winsorized_mean"] = "weighted_mean"
-    """How b* combines rewards: the closed form (weighted mean) or robust variants."""
+    """How b* combines rewards: the closed form (weighted mean) or robust variants. winsorized_mean:
+    spec caps the weights ω at `winsorize_quantile`; reference clips the *rewards* to their ω-weighted
+    5%/95% quantiles, as the authors' `get_weighted_winsorized_mean`."""
     winsorize_quantile: float = Field(0.75, ge=0, le=1)
-    """winsorized_mean only: cap each group's baseline weights ω at this quantile of the group."""
+    """winsorized_mean with form='spec' only: cap each group's baseline weights ω at this quantile."""
     grad_norm_path: Literal["fast", "per_trajectory"] = "fast"
     """Per-trajectory gradient norms: hooks on packed micro-batches (fast, exact) or one backward per
     trajectory (the reference). learner.backend='megatron' always uses 'per_trajectory' (the fast

@@ -154,7 +154,8 @@ class MegatronLearner(TorchLearner):
             return baseline_fn(group, members, self._sum_over_shards(sq_norms))
 
         result = accumulate_opob_grad_per_trajectory(
-            self.model, microbatches, reward_coefs, baseline_coefs, baseline, rank_sq_norm=self._rank_sq_norm)
+            self.model, microbatches, reward_coefs, baseline_coefs, baseline, rank_sq_norm=self._rank_sq_norm,
+            temperature=self.temperature)
         return self._sum_over_shards(result.sq_norms)
 
     def _rank_sq_norm(self, params: Sequence[nn.Parameter], grads: Sequence[Tensor]) -> Tensor:

@@ -156,6 +156,7 @@ def accumulate_opob_grad_packed(
     *,
     dense_cost_flops: float | None = None,
     autocast_dtype: torch.dtype | None = None,
+    temperature: float = 1.0,
 ) -> OpobGradResult:
     """OPOB gradient on packed micro-batches: one forward and one backward each, exact norms.
 
@@ -163,13 +164,15 @@ def accumulate_opob_grad_packed(
     `reward_coefs`/`baseline_coefs`: (B,) `a_i`/`s_i`, indexed by `trajectory_indices`.
     `dense_cost_flops` overrides `DENSE_COST_FLOPS` for the model's device type. `autocast_dtype`: run
     the forwards under autocast in that dtype (weight gradients are then taken in it, as autograd's
-    would be, and accumulated in the weights' dtype; norms are summed in fp32). Raises
+    would be, and accumulated in the weights' dtype; norms are summed in fp32). `temperature`: the
+    behaviour policy's sampling temperature T — ℓ_i is of softmax(logits / T), as in the proximal pass
+    whose log-probs make the IS weights. Raises
     `UnsupportedParameterError` (naming them) if some trainable parameter has no hook. Hooks
     and `requires_grad` flags are always restored; after an exception `.grad` is partial.
     """
     num_trajectories = _check_coefs(reward_coefs, baseline_coefs)
     schedule = _GroupSchedule.build(microbatches, reward_coefs, baseline_coefs)
-    hooks = PackedGradHooks(model, autocast_dtype)
+    hooks = PackedGradHooks(model, autocast_dtype, temperature)
     cost = (
         dense_cost_flops if dense_cost_flops is not None else DENSE_COST_FLOPS.get(hooks.device.type, 2048.0)
     )
@@ -210,13 +213,13 @@ def _apply_plan(state: MicroBatchState, closing: list[int], baselines: dict[int,
 
 
 def _trajectory_grads(model: nn.Module, single: PackedMicroBatch, params: list[nn.Parameter],
-                      autocast_dtype: torch.dtype | None = None) -> list[Tensor]:
+                      autocast_dtype: torch.dtype | None = None, temperature: float = 1.0) -> list[Tensor]:
     """`∇ℓ` of a one-trajectory micro-batch for `params` by plain autograd (zeros where unused)."""
     if single.target_positions.numel() == 0:
         return [torch.zeros_like(p) for p in params]
     with torch.enable_grad():
         with autocast(single.input_ids.device, autocast_dtype):
-            logprobs = packed_target_logprobs(model, single)
+            logprobs = packed_target_logprobs(model, single, temperature=temperature)
         loglik = trajectory_logliks(logprobs, single)[0]
         grads = torch.autograd.grad(loglik, params, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
@@ -231,6 +234,7 @@ def accumulate_opob_grad_per_trajectory(
     *,
     rank_sq_norm: RankSqNorm | None = None,
     autocast_dtype: torch.dtype | None = None,
+    temperature: float = 1.0,
 ) -> OpobGradResult:
     """The reference OPOB gradient: one forward/backward per trajectory, two buffers.
 
@@ -241,7 +245,8 @@ def accumulate_opob_grad_per_trajectory(
     `rank_sq_norm(params, grads)`: this rank's share of `‖g_i‖²` from its parameters and their
     gradients for trajectory i (default: `Σ ‖grad‖²` over all of them), called once per trajectory
     in the same order on every rank; with model parallelism the shares over the ranks must sum to
-    the whole norm (module docstring). `.grad` is left untouched if it raises.
+    the whole norm (module docstring). `temperature`: as in `accumulate_opob_grad_packed`. `.grad` is
+    left untouched if it raises.
     """
     num_trajectories = _check_coefs(reward_coefs, baseline_coefs)
     schedule = _GroupSchedule.build(microbatches, reward_coefs, baseline_coefs)
@@ -253,7 +258,7 @@ def accumulate_opob_grad_per_trajectory(
     for m, batch in enumerate(microbatches):
         for j in range(batch.num_trajectories):
             index, group = int(batch.trajectory_indices[j]), int(batch.group_ids[j])
-            grads = _trajectory_grads(model, batch.select(j), params, autocast_dtype)
+            grads = _trajectory_grads(model, batch.select(j), params, autocast_dtype, temperature)
             sq_norms[index] = (rank_sq_norm or sum_sq_norm)(params, grads)
             reward_coef, baseline_coef = float(reward_coefs[index]), float(baseline_coefs[index])
             for param, grad in zip(params, grads, strict=True):

@@ -28,7 +28,7 @@ import copy
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +48,9 @@ from learner.packing import (
     plan_microbatches,
 )
 from rollout.trajectory import Trajectory
-from vcpo.groups import group_std, index_groups, single_group
+from vcpo.groups import index_groups, single_group
 from vcpo.is_weights import sequence_is_weights, truncated_is_weights
 from vcpo.objectives import PolicyLossInputs
-from vcpo.opob import (
-    BASELINE_AGGREGATIONS,
-    opob_baseline_weights,
-    vcpo_coefficients,
-    winsorized_mean_baseline,
-)
 from vcpo.step_size import StepSizeInputs
 
 _PACKED_AGGREGATION = {"seq-mean-token-mean": "mean", "seq-mean-token-sum": "sum"}
@@ -311,25 +305,15 @@ class TorchLearner:
         weights = sequence_is_weights(log_w, objective.max_log_ratio)
         truncated = truncated_is_weights(weights, objective.is_cap)
         groups = index_groups(group_ids)
-        sigma = group_std(rewards, valid, groups)[groups.index]
-        degenerate = (sigma == 0) if objective.divide_by_std else torch.zeros_like(valid)
-        keep = valid & ~degenerate
-        coefs = vcpo_coefficients(truncated, rewards, sigma, keep, full.size, objective.divide_by_std,
-                                  objective.eps)
-        baseline_is = None
-        if objective.use_is_weights:
-            baseline_is = truncated if objective.use_clipped_weights else weights
-        aggregate = BASELINE_AGGREGATIONS[objective.aggregation]  # the objective's own table
-        if aggregate is winsorized_mean_baseline:
-            aggregate = partial(winsorized_mean_baseline, upper_quantile=objective.winsorize_quantile)
+        # spec or reference form (vcpo/objectives/weighted.py): the objective owns every formula
+        coefs = objective.gradient_coefficients(truncated, rewards, valid, groups, full.size)
 
         def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
             members = members.to(self.device)
-            is_w = None if baseline_is is None else baseline_is[members]
-            lengths = counts[members].float() if objective.normalize_by_length else None
-            omega = opob_baseline_weights(sq_norms, is_w, lengths)  # ω_i = w_i² ‖∇ℓ_i‖² [/ |M_i|²]
+            omega = objective.baseline_weights(sq_norms, weights[members], truncated[members],
+                                               counts[members])
             one_group = single_group(len(members), self.device)
-            result = aggregate(rewards[members], omega, valid[members], one_group)
+            result = objective.group_baseline(rewards[members], omega, valid[members], one_group)
             return float(result.per_trajectory[0])
 
         live = [mb for mb, own in zip(full.microbatches, mine, strict=True)
@@ -352,7 +336,7 @@ class TorchLearner:
         accumulate = (accumulate_opob_grad_packed if self.algo.objective.opob.grad_norm_path == "fast"
                       else accumulate_opob_grad_per_trajectory)
         return accumulate(self.model, microbatches, reward_coefs, baseline_coefs, baseline_fn,
-                          autocast_dtype=self.autocast_dtype).sq_norms
+                          autocast_dtype=self.autocast_dtype, temperature=self.temperature).sq_norms
 
     def _finish(self, lr_scale: float) -> float:
         if self.data_parallel is not None:

@@ -52,7 +52,8 @@ def _embedding_problem(module: nn.Embedding) -> str | None:
 class PackedGradHooks:
     """Per-trajectory gradient hooks on `model` while the context is active (see module docstring)."""
 
-    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None,
+                 temperature: float = 1.0) -> None:
         if getattr(model, "is_gradient_checkpointing", False):
             raise ValueError(
                 "gradient checkpointing is on; the packed per-trajectory path needs one forward per "
@@ -62,6 +63,8 @@ class PackedGradHooks:
         self.model = model
         self.autocast_dtype = autocast_dtype
         """Run the forward under `torch.autocast` in this dtype (None: in the weights' dtype)."""
+        self.temperature = temperature
+        """Sampling temperature T: the log-probs are of softmax(logits / T), as the proximal pass's."""
         self.embedding_module: nn.Embedding = model.get_input_embeddings()
         self.hooked: list[tuple[nn.Module, LinearHandler | RMSNormHandler]] = []
         self.embedding: EmbeddingHandler | None = None
@@ -146,7 +149,8 @@ class PackedGradHooks:
         with torch.enable_grad():
             embedded = self.embedding_module(batch.input_ids).detach().requires_grad_(True)
             with autocast(self.device, self.autocast_dtype):
-                logprobs = packed_target_logprobs(self.model, batch, inputs_embeds=embedded)
+                logprobs = packed_target_logprobs(self.model, batch, inputs_embeds=embedded,
+                                                  temperature=self.temperature)
             loss = (logprobs * batch.target_weights[batch.target_positions]).sum()
             loss.backward()
         if self.embedding is not None and embedded.grad is not None:

@@ -17,6 +17,7 @@ import math
 import torch
 from torch import Tensor
 
+from vcpo.groups import GroupIndex, group_sum
 from vcpo.is_weights import DEFAULT_MAX_LOG_RATIO, clamp_log_ratios, ess_ratio
 
 STALENESS_MEAN = "staleness/mean"
@@ -32,6 +33,9 @@ PG_CLIP_FRAC = "pg/clip_frac"
 PG_MASKED_FRAC = "pg/masked_frac"
 OPOB_BASELINE_MEAN = "opob/baseline_mean"
 OPOB_GAP_TO_GROUP_MEAN = "opob/gap_to_group_mean"
+OPOB_SIGNED_GAP = "opob/baseline_minus_group_mean"
+OPOB_OMEGA_MAX_SHARE = "opob/omega_max_share"
+IS_LOG_W_REWARD_CORR = "is/log_w_reward_corr"
 REWARD_MEAN = "reward/mean"
 REWARD_STD = "reward/std"
 TOKENS_TRAINED = "tokens/trained"
@@ -130,8 +134,39 @@ def opob_metrics(baseline_per_group: Tensor, group_mean_reward: Tensor, present:
     gap_to_group_mean is the mean |b*_g − mean_g|: how far the optimal baseline moved from GRPO's.
     """
     baseline = baseline_per_group.float()
-    gap = (baseline - group_mean_reward.float()).abs()
+    signed = baseline - group_mean_reward.float()
     return {
         OPOB_BASELINE_MEAN: _masked_mean(baseline, present),
-        OPOB_GAP_TO_GROUP_MEAN: _masked_mean(gap, present),
+        OPOB_GAP_TO_GROUP_MEAN: _masked_mean(signed.abs(), present),
+        OPOB_SIGNED_GAP: _masked_mean(signed, present),
     }
+
+
+def opob_concentration(baseline_weights: Tensor, valid: Tensor, groups: GroupIndex) -> dict[str, Tensor]:
+    """opob/omega_max_share: mean over groups (with Σω > 0) of max_i ω_i / Σ_i ω_i — 1/G when every
+    trajectory weighs the same in b*, 1 when one trajectory decides the baseline alone.
+
+    baseline_weights: (B,) ω_i. valid: (B,) bool. groups: the baseline's groups.
+    """
+    zeros = torch.zeros_like(baseline_weights, dtype=torch.float64)
+    omega = torch.where(valid, baseline_weights.double(), zeros)
+    total = group_sum(omega, groups)
+    largest = torch.zeros(groups.num_groups, dtype=torch.float64, device=omega.device)
+    largest = largest.scatter_reduce(0, groups.index, omega, "amax")
+    present = total > 0
+    share = torch.where(present, largest / torch.where(present, total, torch.ones_like(total)), 0.0)
+    return {OPOB_OMEGA_MAX_SHARE: _masked_mean(share, present).float()}
+
+
+def log_w_reward_correlation(seq_log_ratios: Tensor, rewards: Tensor, valid: Tensor) -> Tensor:
+    """is/log_w_reward_corr: Pearson correlation of log w_i with R_i over valid trajectories → 0-d
+    (0 when either is constant). Positive: the lagged sample's likelier-now trajectories are the
+    rewarded ones, so the IS weights amplify the signal; negative: they fight it."""
+    x = torch.where(valid, seq_log_ratios.double(), torch.zeros_like(seq_log_ratios, dtype=torch.float64))
+    y = torch.where(valid, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
+    count = valid.sum().clamp_min(1).double()
+    x = torch.where(valid, x - x.sum() / count, torch.zeros_like(x))
+    y = torch.where(valid, y - y.sum() / count, torch.zeros_like(y))
+    denominator = (x.square().sum() * y.square().sum()).sqrt()
+    safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+    return torch.where(denominator > 0, (x * y).sum() / safe, 0.0).float()

@@ -25,6 +25,7 @@ hooks on packed micro-batches) and any reduction across ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -240,3 +241,169 @@ def vcpo_loss(seq_logliks: Tensor, truncated_weights: Tensor, advantages: Tensor
     count = valid.sum().clamp_min(1).to(seq_logliks.dtype)
     # VCPO.md: ĝ = (1/B) Σ_i w̄_i (R_i − b*_g)/σ_g ∇ℓ_i  (loss = −that objective)
     return -(coefficient * loglik).sum() / count
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference form: the authors' code (mit-han-lab/vcpo), exactly.
+#
+# Their learner back-propagates, per trajectory, the loss w̄_i · ℓ_i / B with advantage 1 and reads
+# that gradient's norm rescaled by the response length: ‖w̄_i ∇_θ Σ_t log π_θ(y_t)‖
+# (`megatron_actor._compute_grad_norms`). `compute_opob_baseline` then multiplies its square by the
+# sequence IS weight squared again, so a trajectory's baseline weight is
+#
+#     ω_i = w̄_i² · w_i² · ‖∇_θ Σ_t log π_θ(y_t)‖²            (w_i unclipped by default)
+#
+# and b_g = Σ ω R / (Σ ω + 1e-8). The advantage divides by the group's population std (no Bessel,
+# no ε) only where σ_g > 1e-8 (`_update_grad_buffers`: otherwise R − b undivided). The spec form
+# above counts w_i² once against the unweighted mean-token gradient; the paper's numbers come from
+# this one, which is why both are offered (`form` of the VCPO objective).
+
+OPOB_FORMS = ("spec", "reference")
+REFERENCE_AGGREGATION_MODES = {"seq-mean-token-mean": "length", "seq-mean-token-sum": "one"}
+"""Loss aggregations the reference form supports, and the factor c_i with Σ_t log π = c_i ℓ_i."""
+"""`spec`: ω_i = w_i² ‖∇ℓ_i‖² (VCPO.md). `reference`: the authors' code, ω_i = w̄_i² w_i² ‖∇Σ_t log π‖²."""
+
+REFERENCE_EPS = 1e-8
+"""The authors' ε: in b's denominator and as the σ floor below which the advantage is not divided."""
+
+REFERENCE_WINSOR_QUANTILES = (0.05, 0.95)
+"""`get_weighted_winsorized_mean`: rewards clipped to these weighted quantiles."""
+
+
+def reference_loglik_scale(loss_aggregation: str, num_tokens: Tensor) -> Tensor:
+    """(B,) c_i with Σ_t log π(y_t) = c_i ℓ_i: |M_i| for seq-mean-token-mean, 1 for seq-mean-token-sum."""
+    mode = REFERENCE_AGGREGATION_MODES.get(loss_aggregation)
+    if mode is None:
+        raise ValueError(f"the reference OPOB form supports loss_aggregation in "
+                         f"{sorted(REFERENCE_AGGREGATION_MODES)}, not {loss_aggregation!r}")
+    lengths = num_tokens.detach().double()
+    return lengths if mode == "length" else torch.ones_like(lengths)
+
+
+def reference_baseline_weights(
+    sq_grad_norms: Tensor,
+    truncated_weights: Tensor,
+    is_weights: Tensor | None,
+    loglik_scale: Tensor,
+    num_tokens: Tensor | None = None,
+) -> Tensor:
+    """ω_i = w̄_i² · w_i² · ‖∇ Σ_t log π(y_t)‖² [/ |M_i|²] → (B,) fp64 (0 where not finite or < 0).
+
+    sq_grad_norms: (B,) ‖∇ℓ_i‖² of the learner's aggregated ℓ_i (unweighted). truncated_weights: (B,)
+    w̄_i, the weight the authors' per-trajectory gradient carries. is_weights: (B,) w_i (or w̄_i with
+    use_clipped_weights), None when use_is_weights is off. loglik_scale: (B,) c_i with
+    Σ_t log π(y_t) = c_i ℓ_i (|M_i| for a token-mean ℓ_i, 1 for a token sum): the authors rescale the
+    norm by the response length. num_tokens: (B,) |M_i| for normalize_by_length.
+    """
+    scale = loglik_scale.detach().double()
+    truncated = truncated_weights.detach().double()
+    # ‖w̄_i ∇Σ_t log π‖² = w̄_i² c_i² ‖∇ℓ_i‖²  (the authors' grad_norm_unscaled, squared)
+    weights = sq_grad_norms.detach().double() * (scale * scale) * (truncated * truncated)
+    if is_weights is not None:
+        w = is_weights.detach().double()
+        weights = weights * (w * w)  # compute_opob_baseline: weight *= seq_is_ratio ** 2
+    if num_tokens is not None:
+        length = num_tokens.detach().double().clamp_min(1.0)
+        weights = weights / (length * length)
+    usable = torch.isfinite(weights) & (weights >= 0)
+    return torch.where(usable, weights, torch.zeros_like(weights))
+
+
+def _per_group(
+    rewards: Tensor,
+    baseline_weights: Tensor,
+    valid: Tensor,
+    groups: GroupIndex,
+    one: Callable[[Tensor, Tensor], Tensor],
+) -> GroupBaseline:
+    """Apply `one(values, weights) -> float64 0-d` to each group's valid members (no fallback)."""
+    values = rewards.double()
+    weights = baseline_weights.double()
+    per_group = torch.zeros(groups.num_groups, dtype=torch.float64, device=rewards.device)
+    for g in range(groups.num_groups):
+        members = (groups.index == g) & valid
+        if members.any():
+            per_group[g] = one(values[members], weights[members])
+    no_fallback = torch.zeros(groups.num_groups, dtype=torch.bool, device=rewards.device)
+    return GroupBaseline(per_group, per_group[groups.index], no_fallback)
+
+
+def _reference_mean(values: Tensor, weights: Tensor) -> Tensor:
+    return (values * weights).sum() / (weights.sum() + REFERENCE_EPS)
+
+
+def _reference_median(values: Tensor, weights: Tensor) -> Tensor:
+    total = weights.sum()
+    if total == 0:
+        return values.new_zeros(())
+    order = torch.argsort(values)
+    cumulative = torch.cumsum(weights[order], 0)
+    cut = (0.5 * total).reshape(1)
+    index = torch.searchsorted(cumulative, cut, right=False).clamp(max=values.numel() - 1)
+    return values[order][index[0]]
+
+
+def _reference_winsorized(values: Tensor, weights: Tensor) -> Tensor:
+    total = weights.sum()
+    if total == 0:
+        return values.new_zeros(())
+    lower_q, upper_q = REFERENCE_WINSOR_QUANTILES
+    order = torch.argsort(values)
+    sorted_values, cumulative = values[order], torch.cumsum(weights[order], 0)
+    cuts = torch.stack([lower_q * total, upper_q * total])
+    index = torch.searchsorted(cumulative, cuts, right=False).clamp(max=values.numel() - 1)
+    clipped = values.clamp(min=sorted_values[index[0]], max=sorted_values[index[1]])
+    return (clipped * weights).sum() / (weights.sum() + REFERENCE_EPS)
+
+
+def reference_mean_baseline(rewards: Tensor, baseline_weights: Tensor, valid: Tensor,
+                            groups: GroupIndex) -> GroupBaseline:
+    """b_g = Σ ω R / (Σ ω + 1e-8) (`get_weighted_mean`): no fallback; all-zero ω gives b_g = 0."""
+    return _per_group(rewards, baseline_weights, valid, groups, _reference_mean)
+
+
+def reference_median_baseline(rewards: Tensor, baseline_weights: Tensor, valid: Tensor,
+                              groups: GroupIndex) -> GroupBaseline:
+    """`get_weighted_median`: the first sorted reward whose cumulative ω reaches half the total."""
+    return _per_group(rewards, baseline_weights, valid, groups, _reference_median)
+
+
+def reference_winsorized_baseline(rewards: Tensor, baseline_weights: Tensor, valid: Tensor,
+                                  groups: GroupIndex) -> GroupBaseline:
+    """`get_weighted_winsorized_mean`: the *rewards* clipped to their ω-weighted 5% / 95% quantiles
+    (first sorted reward whose cumulative ω reaches each cut), then the ε-weighted mean."""
+    return _per_group(rewards, baseline_weights, valid, groups, _reference_winsorized)
+
+
+REFERENCE_AGGREGATIONS = {
+    "weighted_mean": reference_mean_baseline,
+    "weighted_median": reference_median_baseline,
+    "winsorized_mean": reference_winsorized_baseline,
+}
+"""The reference form's b by aggregation name (the authors' agg_mode mean / median / winsorized_mean)."""
+
+
+def reference_std_divisor(group_std_population: Tensor, divide_by_std: bool) -> Tensor:
+    """(B,) what R_i − b is divided by: σ_g (population std) where σ_g > 1e-8, else 1; all 1 when
+    divide_by_std is off (the authors' norm_by_std)."""
+    sigma = group_std_population.double()
+    if not divide_by_std:
+        return torch.ones_like(sigma)
+    return torch.where(sigma > REFERENCE_EPS, sigma, torch.ones_like(sigma))
+
+
+def reference_coefficients(
+    truncated_weights: Tensor,
+    rewards: Tensor,
+    std_divisor: Tensor,
+    valid: Tensor,
+    batch_size: int | Tensor,
+) -> TwoBufferCoefficients:
+    """a_i = w̄_i R_i / (d_i B), s_i = w̄_i / (d_i B) with d_i from `reference_std_divisor`.
+
+    As the authors' `_update_grad_buffers`: no trajectory is zeroed for its group being degenerate;
+    an all-equal group gets R − b = R·ε/(Σω + ε), tiny but not exactly 0.
+    """
+    scale = truncated_weights.detach().double() / torch.as_tensor(batch_size, dtype=torch.float64)
+    scale = torch.where(valid, scale / std_divisor.double(), torch.zeros_like(scale))
+    return TwoBufferCoefficients(reward_coef=scale * rewards.double(), baseline_coef=scale)

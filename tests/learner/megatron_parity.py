@@ -28,6 +28,8 @@ MICRO_BATCH_TOKENS = 96
 ALGOS = {
     "grpo": {"objective": {"type": "grpo"}, "group_size": 3},
     "vcpo": {"objective": {"type": "vcpo", "is_cap": 2.0}, "group_size": 3},
+    "vcpo_reference": {"objective": {"type": "vcpo", "is_cap": 2.0, "opob": {"form": "reference"}},
+                       "group_size": 3},
 }
 
 

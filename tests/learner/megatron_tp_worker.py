@@ -63,7 +63,7 @@ def main(hf_dir: str, kind: str, out: str, *flags: str) -> None:
         layers = AutoConfig.from_pretrained(hf_dir).num_hidden_layers
         batch = megatron_parity.parity_batch(kind, layers=layers)
         results = {}
-        for name, use_distributed_optimizer in (("grpo", False), ("vcpo", True)):
+        for name, use_distributed_optimizer in (("grpo", False), ("vcpo", True), ("vcpo_reference", False)):
             config = megatron.model_copy(update={"use_distributed_optimizer": use_distributed_optimizer})
             learner = MegatronLearner(hf_dir, megatron_parity.algo(name), megatron_parity.OPTIM, config,
                                       micro_batch_tokens=megatron_parity.MICRO_BATCH_TOKENS, device=device)

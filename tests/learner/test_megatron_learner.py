@@ -57,6 +57,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {kind: megatron_parity.write_checkpoint(kind, root / kind) for kind in ("llama_tied", "qwen2")}
 
 
+CONDITIONED_METRIC_ABS = {"is/log_w_reward_corr": 1e-4}
+"""Metrics that amplify the backends' ~1e-7 log-prob differences: a correlation of log w (a sum of
+small per-token differences, ~0.1 here) with R moves by ~1e-5 when the log-ratios move by 1e-6."""
+
+
 def _megatron_learner(hf_dir: Path, algo_name: str, **megatron: object) -> object:
     from learner.megatron_learner import MegatronLearner
     from tests.learner.megatron_cpu import cuda_on_cpu
@@ -77,7 +82,8 @@ def _step(learner: object, batch: object) -> megatron_parity.StepRecord:
 def _assert_same_step(got: megatron_parity.StepRecord, want: megatron_parity.StepRecord) -> None:
     assert set(got.metrics) == set(want.metrics)
     for key, value in want.metrics.items():
-        assert got.metrics[key] == pytest.approx(value, rel=METRIC_RTOL, abs=1e-6), key
+        tolerance = CONDITIONED_METRIC_ABS.get(key, 1e-6)
+        assert got.metrics[key] == pytest.approx(value, rel=METRIC_RTOL, abs=tolerance), key
     if want.sq_norms is None:
         assert got.sq_norms is None
     else:
@@ -108,7 +114,8 @@ def test_packed_logits_match_the_hf_model(megatron_world: None, checkpoints: dic
 
 
 @pytest.mark.parametrize(("kind", "algo_name", "use_distributed_optimizer"), [
-    ("llama_tied", "grpo", False), ("llama_tied", "vcpo", False), ("qwen2", "vcpo", True)])
+    ("llama_tied", "grpo", False), ("llama_tied", "vcpo", False), ("qwen2", "vcpo", True),
+    ("llama_tied", "vcpo_reference", False)])
 def test_one_step_matches_the_torch_learner(megatron_world: None, checkpoints: dict[str, Path], kind: str,
                                             algo_name: str, use_distributed_optimizer: bool) -> None:
     batch = megatron_parity.parity_batch(kind)
@@ -191,7 +198,7 @@ def test_tensor_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints:
         [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "tp2.pt")], timeout=300,
         env={"OMP_NUM_THREADS": "1"})
     batch = megatron_parity.parity_batch("llama_tied")
-    for name in ("grpo", "vcpo"):
+    for name in ("grpo", "vcpo", "vcpo_reference"):  # the reference form needs whole norms too
         got = results[name]
         assert got["shards"] == [(80, 48), (80, 48)]  # the 160-token vocabulary split over the 2 ranks
         want = megatron_parity.run_step(megatron_parity.torch_learner("llama_tied", name), batch)

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from tests.vcpo.helpers import tensor
@@ -62,3 +63,17 @@ def test_token_fraction_reward_and_opob_metrics():
     # baseline mean (0.8 + 0.2)/2 = 0.5; gap (|0.3| + |−0.3|)/2 = 0.3
     torch.testing.assert_close(opob[m.OPOB_BASELINE_MEAN], tensor(0.5))
     torch.testing.assert_close(opob[m.OPOB_GAP_TO_GROUP_MEAN], tensor(0.3))
+
+
+def test_log_w_reward_correlation_hand_computed():
+    from vcpo.metrics import log_w_reward_correlation
+
+    valid = torch.tensor([True, True, True, False])
+    # log w = [1, 2, 3], R = [0, 0, 1] over the valid three: centred x = [−1, 0, 1], y = [−1/3, −1/3, 2/3];
+    # Σxy = 1, Σx² = 2, Σy² = 2/3 → r = 1/sqrt(4/3) = 0.8660
+    log_w, rewards = torch.tensor([1.0, 2.0, 3.0, 99.0]), torch.tensor([0.0, 0.0, 1.0, 5.0])
+    corr = log_w_reward_correlation(log_w, rewards, valid)
+    assert float(corr) == pytest.approx(math.sqrt(3.0) / 2.0, rel=1e-6)
+    # constant rewards: no correlation to speak of, 0 (never NaN)
+    flat = log_w_reward_correlation(torch.tensor([1.0, 2.0, 3.0, 0.0]), torch.ones(4), valid)
+    assert float(flat) == 0.0

@@ -395,6 +395,7 @@ def _assemble_output(
         m.PG_MASKED_FRAC: m.token_fraction(masked, mask),
         m.TOKENS_TRAINED: mask.sum(),
         **m.reward_metrics(batch.rewards, batch.valid),
+        m.IS_LOG_W_REWARD_CORR: m.log_w_reward_correlation(batch.seq_log_ratios, batch.rewards, batch.valid),
         "loss/policy": surrogate.loss.detach(),
         **extra,
     }

@@ -26,11 +26,25 @@ import torch
 from torch import Tensor
 
 from vcpo.advantages import grpo_advantages, reinforce_advantages, rloo_advantages
-from vcpo.groups import degenerate_groups, group_count, group_mean, group_std, single_group
+from vcpo.groups import GroupIndex, degenerate_groups, group_count, group_mean, group_std, single_group
 from vcpo.is_weights import sequence_is_weights, truncated_is_weights
-from vcpo.metrics import opob_metrics
+from vcpo.metrics import opob_concentration, opob_metrics
 from vcpo.objectives.base import ObjectiveBase, PreparedBatch, Surrogate
-from vcpo.opob import BASELINE_AGGREGATIONS, opob_advantages, opob_baseline_weights, winsorized_mean_baseline
+from vcpo.opob import (
+    BASELINE_AGGREGATIONS,
+    OPOB_FORMS,
+    REFERENCE_AGGREGATION_MODES,
+    REFERENCE_AGGREGATIONS,
+    GroupBaseline,
+    TwoBufferCoefficients,
+    opob_baseline_weights,
+    reference_baseline_weights,
+    reference_coefficients,
+    reference_loglik_scale,
+    reference_std_divisor,
+    vcpo_coefficients,
+    winsorized_mean_baseline,
+)
 from vcpo.otb import logit_gradient_energy, optimal_token_baseline, otb_advantages, realized_energy
 from vcpo.policy_losses import reinforce_token_loss
 
@@ -113,20 +127,25 @@ BASELINE_SCOPES = ("group", "minibatch")
 
 @dataclass(frozen=True)
 class VCPO(SequenceTisOptions, ObjectiveBase):
-    """VCPO's policy gradient: −(1/B) Σ_i w̄_i (R_i − b*_g)/(σ_g + ε) · ℓ_i with the OPOB b* (opob.py).
+    """VCPO's policy gradient: −(1/B) Σ_i w̄_i (R_i − b*_g)/σ_g · ℓ_i with the OPOB b* (opob.py).
 
     Needs `seq_sq_grad_norms` = ‖∇ℓ_i‖² of the same aggregated ℓ_i this loss uses, unweighted.
-    is_cap: C of w̄ in the gradient. scope: "group" (b* per prompt) or "minibatch".
+    form: "spec" (VCPO.md: ω_i = w_i² ‖∇ℓ_i‖², σ_g with Bessel + ε, degenerate groups exactly 0) or
+    "reference" (the authors' code: ω_i = w̄_i² w_i² ‖∇Σ_t log π‖², b = Σ ωR / (Σ ω + 1e-8), σ_g the
+    population std without ε, applied only where σ_g > 1e-8; opob.py's reference section).
+    is_cap: C of w̄ in the gradient. scope: "group" (b* per prompt) or "minibatch" (spec only).
     use_is_weights: w_i² in b*'s weights (off = on-policy optimal baseline).
     use_clipped_weights: w̄_i² instead of w_i² there. normalize_by_length: divide b*'s weight by |M_i|².
-    divide_by_std: divide R_i − b* by σ_g + ε. aggregation: "weighted_mean" (closed form),
-    "weighted_median" or "winsorized_mean" (with winsorize_quantile). eps: ε.
+    divide_by_std: divide R_i − b* by σ_g. aggregation: "weighted_mean" (closed form),
+    "weighted_median" or "winsorized_mean" — spec: ω capped at winsorize_quantile; reference: the
+    rewards clipped to their ω-weighted 5%/95% quantiles, as the authors'. eps: ε (spec).
     Reference: Huang et al. 2026, "Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs".
     """
 
     name: ClassVar[str] = "vcpo"
     uses_grad_norms: ClassVar[bool] = True
     loss_aggregation: str = "seq-mean-token-mean"
+    form: str = "spec"
     scope: str = "group"
     use_is_weights: bool = True
     use_clipped_weights: bool = False
@@ -138,44 +157,86 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
 
     def _check_options(self) -> list[str]:
         problems = SequenceTisOptions._check_options(self)
+        if self.form not in OPOB_FORMS:
+            problems.append(f"form={self.form!r}; valid: {list(OPOB_FORMS)}")
         if self.scope not in BASELINE_SCOPES:
             problems.append(f"scope={self.scope!r}; valid: {list(BASELINE_SCOPES)}")
         if self.aggregation not in BASELINE_AGGREGATIONS:
             problems.append(f"aggregation={self.aggregation!r}; valid: {sorted(BASELINE_AGGREGATIONS)}")
         if not 0.0 <= self.winsorize_quantile <= 1.0:
             problems.append(f"winsorize_quantile={self.winsorize_quantile} must be in [0, 1]")
+        if self.form == "reference":
+            if self.scope != "group":
+                problems.append("form='reference' supports scope='group' only")
+            if self.loss_aggregation not in REFERENCE_AGGREGATION_MODES:
+                problems.append(f"form='reference' needs loss_aggregation in "
+                                f"{sorted(REFERENCE_AGGREGATION_MODES)}, not {self.loss_aggregation!r}")
         return problems
+
+    # --- the pieces the learner's two-buffer gradient uses too (learner/torch_learner.py) ---------
+
+    def baseline_weights(self, sq_grad_norms: Tensor, weights: Tensor, truncated: Tensor,
+                         num_tokens: Tensor) -> Tensor:
+        """(B,) fp64 ω_i of b* for this form. sq_grad_norms: ‖∇ℓ_i‖² (unweighted); weights: w_i;
+        truncated: w̄_i; num_tokens: |M_i| (trained tokens)."""
+        baseline_is = (truncated if self.use_clipped_weights else weights) if self.use_is_weights else None
+        lengths = num_tokens if self.normalize_by_length else None
+        if self.form == "reference":
+            scale = reference_loglik_scale(self.loss_aggregation, num_tokens)
+            # ω_i = w̄_i² · w_i² · ‖∇Σ_t log π‖² [/ |M_i|²]
+            return reference_baseline_weights(sq_grad_norms, truncated, baseline_is, scale, lengths)
+        return opob_baseline_weights(sq_grad_norms, baseline_is, lengths)  # ω_i = w_i² ‖∇ℓ_i‖² [/ |M_i|²]
+
+    def group_baseline(self, rewards: Tensor, omega: Tensor, valid: Tensor,
+                       scope: GroupIndex) -> GroupBaseline:
+        """b* per group of `scope` from ω (this form's aggregation)."""
+        if self.form == "reference":
+            return REFERENCE_AGGREGATIONS[self.aggregation](rewards, omega, valid, scope)
+        aggregate = BASELINE_AGGREGATIONS[self.aggregation]
+        if aggregate is winsorized_mean_baseline:
+            aggregate = partial(winsorized_mean_baseline, upper_quantile=self.winsorize_quantile)
+        return aggregate(rewards, omega, valid, scope)
+
+    def advantage_divisor(self, rewards: Tensor, valid: Tensor, groups: GroupIndex) -> tuple[Tensor, Tensor]:
+        """((B,) fp64 divisor d_i of R_i − b*, (B,) bool keep). spec: σ_g (Bessel) + ε, degenerate
+        groups dropped when dividing; reference: population σ_g where > 1e-8 else 1, nothing dropped."""
+        if self.form == "reference":
+            sigma = group_std(rewards, valid, groups, use_bessel_correction=False)[groups.index]
+            return reference_std_divisor(sigma, self.divide_by_std), valid
+        sigma = group_std(rewards, valid, groups)[groups.index].double()
+        if not self.divide_by_std:
+            return torch.ones_like(sigma), valid
+        return sigma + self.eps, valid & (sigma > 0)
+
+    def gradient_coefficients(self, truncated: Tensor, rewards: Tensor, valid: Tensor, groups: GroupIndex,
+                              batch_size: int | Tensor) -> TwoBufferCoefficients:
+        """a_i = w̄_i R_i/(d_i B), s_i = w̄_i/(d_i B) (0 where not kept): A − b*_g S = VCPO's ĝ."""
+        if self.form == "reference":
+            divisor, keep = self.advantage_divisor(rewards, valid, groups)
+            return reference_coefficients(truncated, rewards, divisor, keep, batch_size)
+        sigma = group_std(rewards, valid, groups)[groups.index]
+        keep = valid & (sigma > 0) if self.divide_by_std else valid
+        return vcpo_coefficients(truncated, rewards, sigma, keep, batch_size, self.divide_by_std, self.eps)
 
     def _surrogate(self, batch: PreparedBatch) -> Surrogate:
         weights = sequence_is_weights(batch.seq_log_ratios, self.max_log_ratio)
         truncated = truncated_is_weights(weights, self.is_cap)
         norms = batch.seq_sq_grad_norms.detach()
         nonfinite_norms = (batch.valid & ~(torch.isfinite(norms) & (norms >= 0))).sum()
-        baseline_is = (truncated if self.use_clipped_weights else weights) if self.use_is_weights else None
-        lengths = batch.loss_mask.sum(dim=-1) if self.normalize_by_length else None
-        omega = opob_baseline_weights(norms, baseline_is, lengths)  # ω_i = w_i² ‖∇ℓ_i‖² [/ |M_i|²]
+        omega = self.baseline_weights(norms, weights, truncated, batch.loss_mask.sum(dim=-1))
         scope = batch.groups if self.scope == "group" else single_group(batch.rewards.numel(), norms.device)
-        aggregate = BASELINE_AGGREGATIONS[self.aggregation]
-        if aggregate is winsorized_mean_baseline:
-            aggregate = partial(winsorized_mean_baseline, upper_quantile=self.winsorize_quantile)
-        baseline = aggregate(batch.rewards, omega, batch.valid, scope)
-        std = group_std(batch.rewards, batch.valid, batch.groups)[batch.groups.index]
-        # Exact zeros where the advantage has no signal: σ_g = 0 when dividing by it, else a degenerate scope.
-        if self.divide_by_std:
-            no_signal = batch.is_degenerate
-        else:
-            no_signal = degenerate_groups(batch.rewards, batch.valid, scope)[scope.index]
-        keep = batch.valid & ~no_signal
-        advantages = opob_advantages(
-            batch.rewards, baseline.per_trajectory, std, keep, self.divide_by_std, self.eps
-        )
+        baseline = self.group_baseline(batch.rewards, omega, batch.valid, scope)
+        divisor, keep = self.advantage_divisor(batch.rewards, batch.valid, batch.groups)
+        if self.form == "spec" and not self.divide_by_std:
+            # Without σ the spec zeroes the members of scopes with no relative signal (all-equal rewards).
+            keep = keep & ~degenerate_groups(batch.rewards, batch.valid, scope)[scope.index]
+        centred = batch.rewards.double() - baseline.per_trajectory.double()
+        advantages = torch.where(keep, centred / divisor, torch.zeros_like(centred)).float()
         loss = _weighted_loglik_loss(self, batch, truncated * advantages)  # IS factor w̄_i once, here
         per_prompt = group_mean(baseline.per_trajectory, batch.valid, batch.groups)
-        metrics = opob_metrics(
-            per_prompt,
-            group_mean(batch.rewards, batch.valid, batch.groups),
-            group_count(batch.valid, batch.groups) > 0,
-        )
+        present = group_count(batch.valid, batch.groups) > 0
+        metrics = opob_metrics(per_prompt, group_mean(batch.rewards, batch.valid, batch.groups), present)
+        metrics.update(opob_concentration(omega, batch.valid, batch.groups))
         return Surrogate(
             loss,
             advantages,
