@@ -382,17 +382,47 @@ class StalenessBenchConfig(StrictModel):
     """Prompts per step."""
     group_size: int = Field(8, ge=2)
     """Samples per prompt."""
+    task: Literal["count", "addition"] = "count"
+    """The verifiable task (learner/staleness_tasks.py): 'count' — "17-41" → "17 18 … 41", long variable
+    answers, held-out evaluation prompts (the paper preset); 'addition' — "a+b=" → the sum, 1–2 answer
+    tokens (the tiny preset)."""
     max_operand: int = Field(4, ge=1, le=99)
-    """The task: 'a+b=' for a, b in 0..max_operand; reward 1 for the exact sum."""
+    """addition: a, b in 0..max_operand."""
+    count_min: int = Field(4, ge=1, le=90)
+    """count: fewest numbers in an answer (3 tokens each)."""
+    count_max: int = Field(22, ge=1, le=90)
+    """count: most numbers in an answer."""
+    eval_fraction: float = Field(0.2, gt=0, lt=1)
+    """count: share of the (start, count) pairs held out for evaluation (never trained on)."""
+    split_seed: int = 0
+    """count: seed of the train/evaluation split."""
     pretrain_success: float = Field(0.3, gt=0, lt=1)
-    """Pre-teaching (supervised, on the right sums) stops once the policy's exact success probability
-    reaches this, so RL starts from a policy that is right this often and has room to learn."""
+    """Pre-teaching (supervised, on right answers) stops once the policy's exact success probability on
+    the evaluation prompts reaches this, so RL starts from a policy that is right this often."""
     pretrain_steps: int = Field(2000, ge=1)
-    """Most full-batch Adam steps of the pre-teaching."""
+    """Most Adam steps of the pre-teaching (addition: full batch; count: minibatches)."""
+    pretrain_lr: float = Field(3e-3, gt=0)
+    """count: Adam lr of the pre-teaching."""
+    pretrain_batch: int = Field(64, ge=1)
+    """count: answers per pre-teaching minibatch."""
     hidden_size: int = Field(64, ge=8)
     """Width of the tiny Llama policy."""
     num_layers: int = Field(2, ge=1)
     """Depth of the tiny Llama policy."""
+    intermediate_size: int | None = Field(None, ge=8)
+    """MLP width of the policy; None = 2 × hidden_size."""
+    numerics: list[Literal["matched", "bf16_engine"]] = Field(default_factory=lambda: ["matched"])
+    """Engine/learner numerics per run: 'matched' — both fp32, so w = 1 exactly at k = 0; 'bf16_engine' —
+    the engine samples in bf16 while the learner trains in fp32, so w ≠ 1 even at k = 0, as on GPUs."""
+    numerics_lags: list[Annotated[int, Field(ge=0)]] | None = None
+    """Lags at which the 'bf16_engine' numerics run (None = every lag)."""
+    ess_floor: float = Field(0.9, gt=0, le=1)
+    """lr_sweep: the grid stops at the largest lr at which `cap_method` keeps a median ESS ratio ≥ this
+    at k = 1 (small per-step moves, as in LLM RL)."""
+    cap_method: str = "seq_tis"
+    """lr_sweep: the method whose k = 1 ESS caps the grid."""
+    common_lr: float | None = Field(None, gt=0)
+    """matrix: run every method at this lr instead of its own (robustness and step size unconfounded)."""
     workers: int = Field(2, ge=1)
     """Runs in parallel (one process and one CPU thread each)."""
     collapse_fraction: float = Field(0.5, gt=0, lt=1)
@@ -404,7 +434,8 @@ class StalenessBenchConfig(StrictModel):
     sweep_seed: int = 1000
     """Seed of the lr sweep (not one of `seeds`, so the lr is not chosen on the reported runs)."""
     mode: Literal["matrix", "lr_sweep"] = "matrix"
-    """matrix: the full table; lr_sweep: each method at k = 0 with every lr in lr_grid (one seed)."""
+    """matrix: the full table; lr_sweep: `cap_method` at k = 1 with every lr in lr_grid (the grid's cap:
+    median ESS ≥ ess_floor), then each method at k = 0 with every lr up to the cap (seed `sweep_seed`)."""
     run_root: str = "runs/bench-staleness"
     """Where the policy, the task, every run directory and the plots go."""
 
@@ -416,6 +447,11 @@ class StalenessBenchConfig(StrictModel):
         unknown = sorted(set(self.only or ()) - set(names))
         if unknown:
             raise ValueError(f"only: {unknown} are not method names; valid: {names}")
+        if self.count_min > self.count_max:
+            raise ValueError(f"count_min={self.count_min} > count_max={self.count_max}; "
+                             "make count_min ≤ count_max")
+        if self.mode == "lr_sweep" and self.cap_method not in names:
+            raise ValueError(f"cap_method={self.cap_method!r} is not a method name; valid: {names}")
         return self
 
 

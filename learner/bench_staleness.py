@@ -5,22 +5,30 @@ Every run goes through the real pipeline of `vcpo train`: the rollout manager (i
 allows, independent of how fast engine and learner are), the HF engine, the agent loop, the reward,
 the torch learner with the method's objective and step-size rule, weight sync by version.
 
-The policy is a tiny byte-level Llama *pre-taught* on the task "a+b=" (a, b in 0..max_operand):
-supervised on the right sums and stopped once its exact success probability reaches
-`pretrain_success` (0.3), so RL starts from a policy that knows the format and leans towards the
-answer, and moves quickly under RL (0.31 → 0.75 in 160 on-policy steps at a good lr) — fast
-enough for k to matter. Reward: 1 for exactly the sum, else 0.
+Two presets (learner/staleness_tasks.py has the tasks):
+
+* `configs/bench/staleness.yaml` (the default, "paper-like"): a ~0.6M-parameter byte-level Llama
+  pre-taught to count ("17-41" → "17 18 … 41"; answers of 12–66 tokens) to an exact success
+  probability of ~0.3 on held-out prompts; B = 64 trajectories per step in groups of 8; lrs capped
+  where sequence TIS keeps a median ESS ratio ≥ 0.9 at k = 1 (small per-step moves, as in LLM RL);
+  optional bf16 sampling engine against the fp32 learner (`numerics`), so w ≠ 1 even at k = 0.
+* `configs/bench/staleness_tiny.yaml`: "a+b=" → the sum (1–2 answer tokens), the CI smoke.
 
 Per run we record the curves of `metrics.jsonl` (training reward, ESS ratio, lr scale, grad norm,
-clipped and masked token fractions, lag) and the final policy's exact success probability: the
-teacher-forced probability of the right answer followed by end-of-turn, averaged over all prompts
+clipped and masked token fractions, lag, OPOB's weight concentration and b* − mean, corr(log w, R),
+response length) and the final policy's exact success probability on the evaluation prompts: the
+teacher-forced probability of the right answer followed by end-of-turn, averaged over the prompts
 (no sampling noise). Collapse: the first step whose trailing-10-step training reward falls below
 `collapse_fraction` × its first 10 steps' reward, or a non-finite loss / grad norm.
 
-Learning rates: each method has its own, chosen by `mode: lr_sweep` — every method at k = 0 (on
-policy, where lag plays no part) with each lr of `lr_grid` on a seed not used by the matrix; the lr
-with the best final success probability wins (ties → the smaller lr). The chosen values live in
-configs/bench/staleness.yaml with the sweep's numbers.
+Finished runs are stored under `run_root/results/` keyed by everything that decides them, so an
+interrupted matrix resumes where it stopped and a rerun with other lags or methods reuses what fits.
+
+Learning rates: `mode: lr_sweep` first runs `cap_method` at k = 1 with every lr of `lr_grid` (the cap:
+the largest lr whose median ESS ratio stays ≥ `ess_floor`), then every method at k = 0 (on policy,
+where lag plays no part) with each lr up to the cap, on a seed not used by the matrix; the lr with the
+best final success probability wins (ties → the smaller lr). The chosen values are fixed in the preset
+before any lagged run is seen. `common_lr` reruns a matrix with one lr for every method.
 """
 
 from __future__ import annotations
@@ -39,10 +47,10 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from configs.schema import RunConfig, StalenessBenchConfig, StalenessMethodConfig
 from learner import metric_names as names
+from learner import staleness_tasks
+from vcpo import metrics as vcpo_metrics
 
 WINDOW = 10
 """Steps averaged for the first/last reward and the collapse test."""
@@ -57,105 +65,26 @@ CURVE_KEYS = {
     "masked_frac": names.PG_MASKED_FRAC,
     "lag": names.STALENESS_MEAN,
     "loss": names.TRAIN_LOSS,
+    "omega_max_share": vcpo_metrics.OPOB_OMEGA_MAX_SHARE,
+    "baseline_minus_mean": vcpo_metrics.OPOB_SIGNED_GAP,
+    "log_w_reward_corr": vcpo_metrics.IS_LOG_W_REWARD_CORR,
+    "response_tokens": names.ROLLOUT_RESPONSE_TOKENS_MEAN,
 }
-"""Curve name in the JSON → metrics.jsonl key."""
+"""Curve name in the JSON → metrics.jsonl key (OPOB's only for the methods that have a b*)."""
 
-_TASK_NAME = "addition"
-
-
-def _prompt_text(a: int, b: int) -> str:
-    return f"{a}+{b}="
-
-
-def _problems(bench: StalenessBenchConfig) -> list[tuple[int, int]]:
-    return [(a, b) for a in range(bench.max_operand + 1) for b in range(bench.max_operand + 1)]
-
-
-def _fingerprint(bench: StalenessBenchConfig) -> str:
-    fields = ("max_operand", "pretrain_success", "pretrain_steps", "hidden_size", "num_layers")
-    text = json.dumps({name: getattr(bench, name) for name in fields}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+Job = tuple[StalenessMethodConfig, int, int, str]
+"""(method with its lr, lag k, seed, numerics)."""
 
 
 def prepare(bench: StalenessBenchConfig, root: Path) -> tuple[Path, Path]:
     """The task file (its dataset written beside it) and the pre-taught policy (cached by settings)."""
     root.mkdir(parents=True, exist_ok=True)
-    rows = [{"id": f"{a}+{b}", "question": _prompt_text(a, b), "answer": str(a + b)}
-            for a, b in _problems(bench)]
-    (root / "addition.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    task = {
-        "name": _TASK_NAME,
-        "dataset": {"type": "file", "path": "addition.jsonl"},
-        "fields": {"id": "id", "answer": "answer", "template_fields": {"question": "question"}},
-        "prompt": {"user": "{question}"},
-        "loop": {"max_turns": 0, "max_total_tokens": 64, "max_new_tokens_per_turn": 4, "temperature": 1.0},
-        "answer": {"pattern": r"\A(\d+)\Z"},
-        "reward": {"type": "exact_match"},
-    }
-    task_path = root / "task.yaml"
-    task_path.write_text(yaml.safe_dump(task, sort_keys=False))
-    model_dir = root / f"policy0-{_fingerprint(bench)}"
-    if not (model_dir / "config.json").is_file():
-        _pretrain(bench, model_dir)
-    return task_path, model_dir
-
-
-def _pretrain(bench: StalenessBenchConfig, model_dir: Path) -> None:
-    """Supervised training on the right sums, stopped as soon as the policy's exact success
-    probability reaches `pretrain_success` (checked after every step): a policy that knows the format
-    and leans towards the right answer without being sure of it — where RL starts in practice."""
-    from rollout.tiny import TinyModelSpec, make_tiny_model_dir, teach_tiny_model
-
-    tmp = model_dir.with_name(model_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    make_tiny_model_dir(tmp, TinyModelSpec(hidden_size=bench.hidden_size, num_layers=bench.num_layers,
-                                           intermediate_size=2 * bench.hidden_size, seed=0))
-    batch = _answer_batch(bench)  # built once, scored after every step
-    teach_tiny_model(tmp, _answer_examples(bench), steps=bench.pretrain_steps, lr=3e-3, check_every=1,
-                     until=lambda model: _success(model, batch) >= bench.pretrain_success)
-    shutil.rmtree(model_dir, ignore_errors=True)
-    os.replace(tmp, model_dir)
-
-
-def _answer_examples(bench: StalenessBenchConfig) -> list[tuple[list[int], list[int]]]:
-    """(chat prompt ids, right sum + end-of-turn ids) for every problem."""
-    from agent_env.prompts import render_prompt_ids
-    from rollout.tiny import build_byte_tokenizer
-
-    tokenizer = build_byte_tokenizer()
-    return [(render_prompt_ids(tokenizer, [{"role": "user", "content": _prompt_text(a, b)}]),
-             [*tokenizer.encode(str(a + b), add_special_tokens=False), tokenizer.eos_token_id])
-            for a, b in _problems(bench)]
-
-
-def _answer_batch(bench: StalenessBenchConfig) -> tuple[Any, Any, Any]:
-    """Every problem's (prompt + right sum + end-of-turn) as one padded batch, the answer as labels."""
-    from rollout.tiny import padded_sft_batch
-
-    return padded_sft_batch([(prompt + answer, [False] * len(prompt) + [True] * len(answer))
-                             for prompt, answer in _answer_examples(bench)])
-
-
-def _success(model: Any, batch: tuple[Any, Any, Any]) -> float:
-    """Mean over rows of P(labelled tokens | the rest): exp of each row's summed label log-probs."""
-    import torch
-
-    ids, attention, labels = batch
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    targets = labels[:, 1:]
-    picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (targets != -100)
-    return float(picked.sum(dim=1).exp().mean())
+    return staleness_tasks.task_file(bench, root), staleness_tasks.pretrained_policy(bench, root)
 
 
 def success_probability(model_dir: Path, bench: StalenessBenchConfig) -> float:
-    """Mean over all prompts of P(the right sum, then end-of-turn) under the policy in model_dir —
-    the exact expected reward of one temperature-1 sample (teacher forcing, no sampling noise)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    return _success(model, _answer_batch(bench))
+    """The policy's exact success probability on the evaluation prompts (staleness_tasks.py)."""
+    return staleness_tasks.success_probability(model_dir, bench)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,13 +92,16 @@ def success_probability(model_dir: Path, bench: StalenessBenchConfig) -> float:
 
 
 def _run_config(bench: StalenessBenchConfig, method: StalenessMethodConfig, lag: int, seed: int,
-                model_dir: Path, task_path: Path, run_dir: Path) -> RunConfig:
+                numerics: str, model_dir: Path, task_path: Path, run_dir: Path) -> RunConfig:
+    # bf16_engine: the engine samples from a bf16 copy of the weights the fp32 learner trains, so the
+    # behaviour log-probs differ from the learner's by bf16 rounding even at lag 0 (as on GPUs)
+    engine_dtype = "bfloat16" if numerics == "bf16_engine" else "float32"
     return RunConfig.model_validate({
         "run_dir": str(run_dir),
         "seed": seed,
         "model": {"path": str(model_dir)},
         "task": str(task_path),
-        "engine": {"backend": "hf", "max_batch_size": 256},
+        "engine": {"backend": "hf", "max_batch_size": 256, "dtype": engine_dtype},
         "algo": {**method.algo, "group_size": bench.group_size},
         "optim": {"lr": method.lr, "grad_clip": 1.0},
         "rollout": {"max_lag": lag, "groups_per_step": bench.groups_per_step, "saturate_lag": True},
@@ -190,15 +122,15 @@ def _worker_init() -> None:
     transformers.logging.disable_progress_bar()
 
 
-def run_one(bench: StalenessBenchConfig, method: StalenessMethodConfig, lag: int, seed: int,
+def run_one(bench: StalenessBenchConfig, method: StalenessMethodConfig, lag: int, seed: int, numerics: str,
             model_dir: Path, task_path: Path, run_dir: Path) -> dict[str, Any]:
-    """Train one (method, k, seed) and return its curves and summary numbers."""
+    """Train one (method, k, seed, numerics) and return its curves and summary numbers."""
     from learner.compose import engine_settings, load_task
     from learner.metrics_log import read_metrics
     from learner.run_train import run_training
 
     shutil.rmtree(run_dir, ignore_errors=True)
-    config = _run_config(bench, method, lag, seed, model_dir, task_path, run_dir)
+    config = _run_config(bench, method, lag, seed, numerics, model_dir, task_path, run_dir)
     task, resolved_task = load_task(task_path)
     settings = engine_settings(config.engine, str(task_path))
     started = time.perf_counter()
@@ -209,8 +141,8 @@ def run_one(bench: StalenessBenchConfig, method: StalenessMethodConfig, lag: int
     final = success_probability(run_dir / "export", bench)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # only the curves are kept
     shutil.rmtree(run_dir / "export", ignore_errors=True)
-    return {"method": method.name, "lag": lag, "seed": seed, "lr": method.lr, "steps": summary.steps,
-            "wall_s": round(time.perf_counter() - started, 1), "final_success": final,
+    return {"method": method.name, "lag": lag, "seed": seed, "numerics": numerics, "lr": method.lr,
+            "steps": summary.steps, "wall_s": round(time.perf_counter() - started, 1), "final_success": final,
             "curves": curves, **summarize_curves(curves, bench.collapse_fraction)}
 
 
@@ -221,12 +153,22 @@ def _number(value: Any) -> float | None:
     return value if math.isfinite(value) else float("nan")
 
 
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def summarize_curves(curves: dict[str, list[float | None]], collapse_fraction: float) -> dict[str, Any]:
-    """first/last-10 reward, collapse step, min ESS ratio, max grad norm, mean clipped/masked fraction."""
+    """first/last-10 reward, collapse step, ESS min / median / 10th percentile over steps, max grad norm,
+    mean clipped/masked fraction, and the means of the diagnostics that explain a failure."""
     reward = [r for r in curves["reward"] if r is not None]
 
     def finite(name: str) -> list[float]:
-        return [v for v in curves[name] if v is not None and math.isfinite(v)]
+        return [v for v in curves.get(name, []) if v is not None and math.isfinite(v)]
+
+    def mean_of(name: str) -> float | None:
+        values = finite(name)
+        return statistics.fmean(values) if values else None
 
     first = statistics.fmean(reward[:WINDOW]) if reward else float("nan")
     collapse = None
@@ -237,84 +179,203 @@ def summarize_curves(curves: dict[str, list[float | None]], collapse_fraction: f
         if bad or (step + 1 >= WINDOW and statistics.fmean(trailing) < collapse_fraction * first):
             collapse = step + 1
             break
-    ess, grad, lags = finite("ess_ratio"), finite("grad_norm"), finite("lag")
-    clip, masked = finite("clip_frac"), finite("masked_frac")
+    ess, grad = finite("ess_ratio"), finite("grad_norm")
     return {
         "reward_first10": first,
         "reward_last10": statistics.fmean(reward[-WINDOW:]) if reward else float("nan"),
         "collapse_step": collapse,
         "min_ess_ratio": min(ess) if ess else None,
+        "median_ess_ratio": statistics.median(ess) if ess else None,
+        "p10_ess_ratio": _quantile(ess, 0.1) if ess else None,
         "max_grad_norm": max(grad) if grad else None,
-        "clip_frac_mean": statistics.fmean(clip) if clip else None,
-        "masked_frac_mean": statistics.fmean(masked) if masked else None,
-        "mean_lag": statistics.fmean(lags) if lags else None,
+        "clip_frac_mean": mean_of("clip_frac"),
+        "masked_frac_mean": mean_of("masked_frac"),
+        "mean_lag": mean_of("lag"),
+        "omega_max_share_mean": mean_of("omega_max_share"),
+        "baseline_minus_mean_mean": mean_of("baseline_minus_mean"),
+        "log_w_reward_corr_mean": mean_of("log_w_reward_corr"),
+        "response_tokens_mean": mean_of("response_tokens"),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Stored runs: an interrupted matrix resumes
+
+
+def _run_name(method: StalenessMethodConfig, lag: int, seed: int, numerics: str) -> str:
+    return f"{method.name}-lr{method.lr:g}-k{lag}-s{seed}-{numerics}"
+
+
+def run_key(bench: StalenessBenchConfig, job: Job) -> str:
+    """Everything that decides a run's outcome, hashed: the policy and task, the run's shape, the
+    method's algo and lr, k, the seed and the numerics."""
+    method, lag, seed, numerics = job
+    decided_by = {"policy": staleness_tasks.policy_fingerprint(bench), "steps": bench.steps,
+                  "groups_per_step": bench.groups_per_step, "group_size": bench.group_size,
+                  "algo": method.algo, "lr": method.lr, "lag": lag, "seed": seed, "numerics": numerics}
+    digest = hashlib.sha256(json.dumps(decided_by, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{_run_name(method, lag, seed, numerics)}-{digest}"
+
+
+def _stored(root: Path, key: str) -> dict[str, Any] | None:
+    path = root / "results" / f"{key}.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # a torn file (an interrupted write) is simply run again
+
+
+def _store(root: Path, key: str, row: dict[str, Any]) -> None:
+    directory = root / "results"
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{key}.json.tmp"
+    tmp.write_text(json.dumps(row, allow_nan=True))
+    os.replace(tmp, directory / f"{key}.json")  # atomic: a run is stored whole or not at all
 
 
 # ---------------------------------------------------------------------------------------------
 # The matrix
 
 
-def _jobs(bench: StalenessBenchConfig) -> list[tuple[StalenessMethodConfig, int, int]]:
+def _numerics_at(bench: StalenessBenchConfig, lag: int) -> list[str]:
+    return [n for n in bench.numerics
+            if n == "matched" or bench.numerics_lags is None or lag in bench.numerics_lags]
+
+
+def _matrix_jobs(bench: StalenessBenchConfig) -> list[Job]:
     chosen = [m for m in bench.methods if bench.only is None or m.name in bench.only]
-    if bench.mode == "lr_sweep":
-        return [(m.model_copy(update={"lr": lr}), 0, bench.sweep_seed)
-                for m in chosen for lr in bench.lr_grid]
-    # the largest lags first: the longest runs start early, so the pool's two workers stay busy
-    return [(m, lag, seed)
-            for lag in sorted(bench.lags, reverse=True) for m in chosen for seed in bench.seeds]
+    if bench.common_lr is not None:
+        chosen = [m.model_copy(update={"lr": bench.common_lr}) for m in chosen]
+    # the largest lags first: the longest-waiting runs start early, so the pool's workers stay busy
+    return [(m, lag, seed, numerics)
+            for lag in sorted(bench.lags, reverse=True) for m in chosen for seed in bench.seeds
+            for numerics in _numerics_at(bench, lag)]
+
+
+def _run_jobs(bench: StalenessBenchConfig, jobs: list[Job], model_dir: Path, task_path: Path, root: Path,
+              progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Every job's row: a stored one where it exists, else a fresh run (stored when it finishes)."""
+    rows: list[dict[str, Any]] = []
+    todo = []
+    for job in jobs:
+        stored = _stored(root, run_key(bench, job))
+        if stored is not None:
+            rows.append({**stored, "reused": True})
+        else:
+            todo.append(job)
+    if rows:
+        progress(f"[bench staleness] {len(rows)} of {len(jobs)} runs reused from {root / 'results'}")
+    if not todo:
+        return rows
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=bench.workers, mp_context=context, initializer=_worker_init) as pool:
+        futures = {pool.submit(run_one, bench, *job, model_dir, task_path,
+                               root / "runs" / _run_name(*job)): job for job in todo}
+        for future in as_completed(futures):
+            method, lag, seed, numerics = futures[future]
+            try:
+                row = future.result()
+                _store(root, run_key(bench, (method, lag, seed, numerics)), row)
+            except Exception as exc:  # one broken run keeps its row with the error, the rest go on
+                row = {"method": method.name, "lag": lag, "seed": seed, "numerics": numerics, "lr": method.lr,
+                       "error": f"{type(exc).__name__}: {exc}"}
+            rows.append(row)
+            progress(f"[bench staleness] {len(rows)}/{len(jobs)} {method.name} lr={method.lr:g} k={lag} "
+                     f"seed={seed} {numerics}: " + (row.get("error") or
+                     f"final success {row['final_success']:.3f} ({row['wall_s']} s)"))
+    return rows
+
+
+def _lr_cap(bench: StalenessBenchConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """From the cap probe's rows: the median ESS ratio per lr and the largest lr keeping ≥ ess_floor."""
+    per_lr = {row["lr"]: row.get("median_ess_ratio") for row in rows if "error" not in row}
+    kept = [lr for lr, ess in per_lr.items() if ess is not None and ess >= bench.ess_floor]
+    return {"method": bench.cap_method, "lag": 1, "ess_floor": bench.ess_floor,
+            "median_ess_ratio_per_lr": {f"{lr:g}": ess for lr, ess in sorted(per_lr.items())},
+            "cap": max(kept) if kept else None}
+
+
+def measured_properties(bench: StalenessBenchConfig, model_dir: Path, initial: float) -> dict[str, Any]:
+    """The regime's properties, measured on the pre-taught policy (and checked against the paper-like
+    targets: ≥ 0.5M parameters, median response ≥ 32 tokens with p90/p10 ≥ 3, success 0.2–0.4, B ≥ 64
+    in groups ≥ 8, steps ≥ 2.5 × the largest lag)."""
+    from transformers import AutoModelForCausalLM
+
+    parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    lengths = staleness_tasks.sampled_lengths(model_dir, bench)
+    batch = bench.groups_per_step * bench.group_size
+    largest = max(bench.lags) if bench.lags else 0
+    train, held_out = staleness_tasks.problems(bench)
+    return {
+        "task": bench.task, "parameters": parameters, "train_prompts": len(train),
+        "eval_prompts": len(held_out), "held_out_eval": bench.task != "addition",
+        "initial_success": initial, "sampled_response_tokens": lengths,
+        "batch_trajectories": batch, "group_size": bench.group_size, "steps": bench.steps,
+        "largest_lag": largest,
+        "targets_met": {
+            "parameters >= 0.5M": parameters >= 500_000,
+            "median response >= 32 tokens": lengths["median"] >= 32,
+            "p90 / p10 response length >= 3": lengths["p90"] >= 3 * lengths["p10"],
+            "0.2 <= initial success <= 0.4": 0.2 <= initial <= 0.4,
+            "held-out evaluation prompts": bench.task != "addition",
+            "B >= 64 in groups >= 8": batch >= 64 and bench.group_size >= 8,
+            "steps >= 2.5 x largest lag": bench.steps >= 2.5 * largest,
+        },
+    }
 
 
 def run_staleness_bench(bench: StalenessBenchConfig, progress: Callable[[str], None] = lambda _m: None
                         ) -> dict[str, Any]:
     """Run the matrix (or the lr sweep); JSON-able result with every run's curves and the summaries.
-    Also writes `result.json`, `summary.md` and the PNG plots into `bench.run_root`."""
+    Also writes `result.json`, `summary.json`, `summary.md` and the PNG plots into `bench.run_root`."""
     root = Path(bench.run_root)
     started = time.perf_counter()
     task_path, model_dir = prepare(bench, root)
     initial = success_probability(model_dir, bench)
-    progress(f"[bench staleness] pre-taught policy: success probability {initial:.3f}")
-    jobs = _jobs(bench)
-    rows: list[dict[str, Any]] = []
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=bench.workers, mp_context=context, initializer=_worker_init) as pool:
-        futures = {
-            pool.submit(run_one, bench, method, lag, seed, model_dir, task_path,
-                        root / "runs" / f"{method.name}-lr{method.lr:g}-k{lag}-s{seed}"): (method, lag, seed)
-            for method, lag, seed in jobs}
-        for future in as_completed(futures):
-            method, lag, seed = futures[future]
-            try:
-                row = future.result()
-            except Exception as exc:  # one broken run keeps its row with the error, the rest go on
-                row = {"method": method.name, "lag": lag, "seed": seed, "lr": method.lr,
-                       "error": f"{type(exc).__name__}: {exc}"}
-            rows.append(row)
-            progress(f"[bench staleness] {len(rows)}/{len(jobs)} {method.name} lr={method.lr:g} k={lag} "
-                     f"seed={seed}: " + (row.get("error") or
-                                        f"final success {row['final_success']:.3f} ({row['wall_s']} s)"))
-    order = [m.name for m in bench.methods]
-    rows.sort(key=lambda r: (order.index(r["method"]), r["lr"], r["lag"], r["seed"]))
+    progress(f"[bench staleness] pre-taught policy: success probability {initial:.3f} (evaluation prompts)")
+    properties = measured_properties(bench, model_dir, initial)
+    progress(f"[bench staleness] regime: {json.dumps(properties['targets_met'])}")
     result: dict[str, Any] = {
         "benchmark": "staleness", "mode": bench.mode, "config": bench.model_dump(mode="json"),
-        "initial_success": initial, "wall_s": round(time.perf_counter() - started, 1),
-        "cpu_count": os.cpu_count(), "runs": rows}
+        "initial_success": initial, "properties": properties, "cpu_count": os.cpu_count()}
     if bench.mode == "lr_sweep":
-        result["chosen_lr"] = choose_lrs(rows)
+        cap_method = next(m for m in bench.methods if m.name == bench.cap_method)
+        probe = [(cap_method.model_copy(update={"lr": lr}), 1, bench.sweep_seed, "matched")
+                 for lr in bench.lr_grid]
+        cap = _lr_cap(bench, _run_jobs(bench, probe, model_dir, task_path, root, progress))
+        progress(f"[bench staleness] lr cap: {json.dumps(cap)}")
+        grid = [lr for lr in bench.lr_grid if cap["cap"] is not None and lr <= cap["cap"]]
+        chosen = [m for m in bench.methods if bench.only is None or m.name in bench.only]
+        jobs = [(m.model_copy(update={"lr": lr}), 0, bench.sweep_seed, "matched")
+                for m in chosen for lr in grid]
+        rows = _run_jobs(bench, jobs, model_dir, task_path, root, progress)
+        result.update(lr_cap=cap, runs=_sorted(bench, rows), chosen_lr=choose_lrs(rows))
     else:
-        result["summary"] = summary_table(bench, rows)
+        rows = _run_jobs(bench, _matrix_jobs(bench), model_dir, task_path, root, progress)
+        result.update(runs=_sorted(bench, rows), summary=summary_table(bench, rows))
+        result["retention"] = retention_table(result["summary"])
+    result["wall_s"] = round(time.perf_counter() - started, 1)
     (root / "result.json").write_text(json.dumps(result, indent=1, allow_nan=True))
     (root / "summary.md").write_text(format_summary(result))
     if bench.mode == "matrix":
+        (root / "summary.json").write_text(json.dumps(compact_summary(result), indent=1, allow_nan=True))
         result["plots"] = [str(p) for p in plot_staleness(result, root)]
     return result
+
+
+def _sorted(bench: StalenessBenchConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    order = [m.name for m in bench.methods]
+    return sorted(rows, key=lambda r: (order.index(r["method"]), r["lr"], r.get("numerics", "matched"),
+                                       r["lag"], r["seed"]))
 
 
 def choose_lrs(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Per method: the lr with the best final success probability at k = 0 (ties → the smaller lr)."""
     best: dict[str, tuple[float, float]] = {}
     for row in rows:
-        if "error" in row:
+        if "error" in row or row.get("lag", 0) != 0:
             continue
         score = row["final_success"]
         current = best.get(row["method"])
@@ -324,31 +385,87 @@ def choose_lrs(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {name: lr for name, (_, lr) in best.items()}
 
 
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+"""Student's t 97.5% quantiles by degrees of freedom (≥ 10: 1.96 is close enough for a bench)."""
+
+
+def mean_interval(values: list[float]) -> tuple[float, float | None, float | None]:
+    """(mean, sd, half-width of the 95% t-interval of the mean); sd and interval None below 2 values."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None, None
+    sd = statistics.stdev(values)
+    return mean, sd, T_975.get(len(values) - 1, 1.96) * sd / math.sqrt(len(values))
+
+
 def summary_table(bench: StalenessBenchConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (method, k): means over seeds; methods not run keep their rows (status 'not run')."""
+    """One row per (method, k, numerics): means over seeds; methods not run keep their rows."""
     table = []
     for method in bench.methods:
+        lr = bench.common_lr or method.lr
         for lag in bench.lags:
-            runs = [r for r in rows if r["method"] == method.name and r["lag"] == lag]
-            good = [r for r in runs if "error" not in r]
-            entry: dict[str, Any] = {"method": method.name, "lag": lag, "lr": method.lr, "seeds": len(good)}
-            if not runs:
-                entry["status"] = "not run"
-            elif not good:
-                entry["status"] = "error: " + runs[0]["error"]
-            else:
-                entry["status"] = "ok"
-                for key in ("final_success", "reward_first10", "reward_last10", "min_ess_ratio",
-                            "max_grad_norm", "clip_frac_mean", "masked_frac_mean", "mean_lag"):
-                    values = [r[key] for r in good if r.get(key) is not None]
-                    entry[key] = statistics.fmean(values) if values else None
-                finals = [r["final_success"] for r in good]
-                entry["final_success_sd"] = statistics.stdev(finals) if len(finals) > 1 else None
-                collapsed = [r["collapse_step"] for r in good if r["collapse_step"] is not None]
-                entry["collapsed_runs"] = len(collapsed)
-                entry["collapse_step_min"] = min(collapsed) if collapsed else None
-            table.append(entry)
+            for numerics in _numerics_at(bench, lag):
+                runs = [r for r in rows if r["method"] == method.name and r["lag"] == lag
+                        and r.get("numerics", "matched") == numerics]
+                good = [r for r in runs if "error" not in r]
+                entry: dict[str, Any] = {"method": method.name, "lag": lag, "numerics": numerics, "lr": lr,
+                                         "seeds": len(good)}
+                if not runs:
+                    entry["status"] = "not run"
+                elif not good:
+                    entry["status"] = "error: " + runs[0]["error"]
+                else:
+                    entry["status"] = "ok"
+                    for key in ("reward_first10", "reward_last10", "min_ess_ratio", "median_ess_ratio",
+                                "p10_ess_ratio", "max_grad_norm", "clip_frac_mean", "masked_frac_mean",
+                                "mean_lag", "omega_max_share_mean", "baseline_minus_mean_mean",
+                                "log_w_reward_corr_mean", "response_tokens_mean"):
+                        values = [r[key] for r in good if r.get(key) is not None]
+                        entry[key] = statistics.fmean(values) if values else None
+                    finals = [r["final_success"] for r in good]
+                    mean, sd, half = mean_interval(finals)
+                    entry.update(final_success=mean, final_success_sd=sd, final_success_ci95=half,
+                                 final_success_per_seed=finals)
+                    collapsed = [r["collapse_step"] for r in good if r["collapse_step"] is not None]
+                    entry["collapsed_runs"] = len(collapsed)
+                    entry["collapse_step_min"] = min(collapsed) if collapsed else None
+                table.append(entry)
     return table
+
+
+def retention_table(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (method, numerics, k > 0): final score as a share of the same method's k = 0 score, with a
+    95% interval from the two means' intervals (delta method), and whether it lost > 5% / ≥ 20%."""
+    cell = {(e["method"], e["numerics"], e["lag"]): e for e in summary if e["status"] == "ok"}
+    out = []
+    for (method, numerics, lag), entry in cell.items():
+        base = cell.get((method, numerics, 0))
+        if lag == 0 or base is None or not base["final_success"]:
+            continue
+        ratio = entry["final_success"] / base["final_success"]
+        half = None
+        if entry["final_success_ci95"] is not None and base["final_success_ci95"] is not None:
+            relative = math.hypot(entry["final_success_ci95"] / max(entry["final_success"], 1e-12),
+                                  base["final_success_ci95"] / base["final_success"])
+            half = ratio * relative
+        out.append({"method": method, "numerics": numerics, "lag": lag, "retention": ratio,
+                    "retention_ci95": half, "loses_more_than_5pct": ratio < 0.95,
+                    "loses_at_least_20pct": ratio <= 0.80,
+                    "resolved": half is not None and (ratio + half < 0.95 or ratio - half > 0.95)})
+    return sorted(out, key=lambda r: (r["method"], r["numerics"], r["lag"]))
+
+
+def compact_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """What `docs/results/staleness.json` keeps: per method, k and numerics, the final score's mean, sd and
+    95% interval and the ESS ratio's min and median; plus the regime's properties and the retention."""
+    keep = ("method", "lag", "numerics", "lr", "seeds", "status", "final_success", "final_success_sd",
+            "final_success_ci95", "final_success_per_seed", "min_ess_ratio", "median_ess_ratio",
+            "p10_ess_ratio", "collapsed_runs")
+    return {"benchmark": "staleness", "properties": result["properties"],
+            "config": {k: result["config"][k] for k in ("task", "lags", "seeds", "steps", "groups_per_step",
+                                                         "group_size", "numerics", "common_lr")},
+            "summary": [{k: e.get(k) for k in keep} for e in result["summary"]],
+            "retention": result["retention"]}
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
@@ -359,48 +476,74 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return str(value)
 
 
-def _mean_sd(entry: dict[str, Any]) -> str:
+def _mean_ci(entry: dict[str, Any]) -> str:
     if entry["status"] != "ok":
         return entry["status"]
-    sd = entry.get("final_success_sd")
-    return _fmt(entry["final_success"], ".2f") + (f" ± {sd:.2f}" if sd is not None else "")
+    half = entry.get("final_success_ci95")
+    return _fmt(entry["final_success"], ".3f") + (f" ± {half:.3f}" if half is not None else "")
 
 
 def format_summary(result: dict[str, Any]) -> str:
-    """Markdown: the summary table (matrix) or the lr sweep's table and choices."""
-    lines = [f"initial policy success probability: {result['initial_success']:.3f}", ""]
+    """Markdown: the regime, then the summary table (matrix) or the lr cap and sweep (lr_sweep)."""
+    props = result["properties"]
+    length = props["sampled_response_tokens"]
+    lines = [f"task {props['task']}, {props['parameters']:,} parameters; initial success probability "
+             f"{result['initial_success']:.3f} on {props['eval_prompts']} evaluation prompts; sampled "
+             f"response tokens median {length['median']:g} (p10 {length['p10']:g}, p90 {length['p90']:g}); "
+             f"B = {props['batch_trajectories']} in groups of {props['group_size']}, {props['steps']} steps",
+             "", "regime targets: " + ", ".join(f"{k}: {'yes' if v else 'NO'}"
+                                                for k, v in props["targets_met"].items()), ""]
     if result["mode"] == "lr_sweep":
-        lines += ["| method | lr | final success (k=0) | last-10 reward |", "|---|---|---|---|"]
+        cap = result["lr_cap"]
+        lines += [f"lr cap ({cap['method']} at k = 1, median ESS ratio ≥ {cap['ess_floor']}): "
+                  + ", ".join(f"lr {lr}: {_fmt(ess)}" for lr, ess in cap["median_ess_ratio_per_lr"].items())
+                  + f" → cap {cap['cap']}", "",
+                  "| method | lr | final success (k=0) | last-10 reward |", "|---|---|---|---|"]
         for row in result["runs"]:
             lines.append(f"| {row['method']} | {row['lr']:g} | {_fmt(row.get('final_success'))} | "
                          f"{_fmt(row.get('reward_last10'))} |")
         lines += ["", "chosen: " + ", ".join(f"{m}={lr:g}" for m, lr in result["chosen_lr"].items())]
         return "\n".join(lines) + "\n"
-    lags = sorted({e["lag"] for e in result["summary"]})
-    methods = list(dict.fromkeys(e["method"] for e in result["summary"]))
-    cell = {(e["method"], e["lag"]): e for e in result["summary"]}
-    lines += ["Final policy's success probability, mean ± sd over seeds (the pre-taught policy's is above):",
+    summary = result["summary"]
+    lags = sorted({e["lag"] for e in summary})
+    columns = [(lag, n) for lag in lags
+               for n in dict.fromkeys(e["numerics"] for e in summary if e["lag"] == lag)]
+    methods = list(dict.fromkeys(e["method"] for e in summary))
+    cell = {(e["method"], e["lag"], e["numerics"]): e for e in summary}
+    lines += ["Final policy's success probability on the evaluation prompts, mean ± 95% interval over seeds:",
               "",
-              "| method | " + " | ".join(f"k={lag}" for lag in lags) + " |",
-              "|---|" + "---|" * len(lags)]
+              "| method | " + " | ".join(f"k={lag}" + ("" if n == "matched" else f" ({n})")
+                                         for lag, n in columns) + " |", "|---|" + "---|" * len(columns)]
     for method in methods:
-        values = [cell[(method, lag)] for lag in lags]
-        lines.append(f"| {method} | " + " | ".join(_mean_sd(e) for e in values) + " |")
-    lines += ["", "Per (method, k): means over seeds.", ""]
-    lines += ["| method | k | lr | final success | reward first→last 10 | collapsed runs (first step) | "
-              "min ESS ratio | max grad norm | clipped frac | masked frac |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for e in result["summary"]:
+        cells = " | ".join(_mean_ci(cell[(method, lag, n)]) for lag, n in columns)
+        lines.append(f"| {method} | {cells} |")
+    lines += ["", "Retention (final score ÷ the same method's k = 0 score, 95% interval):", "",
+              "| method | numerics | k | retention | loses > 5% | resolved |", "|---|---|---|---|---|---|"]
+    for r in result["retention"]:
+        lines.append(f"| {r['method']} | {r['numerics']} | {r['lag']} | {_fmt(r['retention'])}"
+                     + (f" ± {r['retention_ci95']:.3f}" if r["retention_ci95"] is not None else "")
+                     + f" | {'yes' if r['loses_more_than_5pct'] else 'no'}"
+                     + f" | {'yes' if r['resolved'] else 'no'} |")
+    lines += ["", "Per (method, k, numerics): means over seeds.", "",
+              "| method | k | numerics | lr | final | reward first→last 10 | collapsed | "
+              "ESS min / p10 / median | max grad norm | clipped | masked | ω max share | b* − mean | "
+              "corr(log w, R) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in summary:
         if e["status"] != "ok":
-            lines.append(f"| {e['method']} | {e['lag']} | {e['lr']:g} | {e['status']} | | | | | | |")
+            lines.append(f"| {e['method']} | {e['lag']} | {e['numerics']} | {e['lr']:g} | {e['status']} |"
+                         + " |" * 9)
             continue
         collapsed = f"{e['collapsed_runs']}/{e['seeds']}" + (
             f" ({e['collapse_step_min']})" if e["collapse_step_min"] is not None else "")
         lines.append(
-            f"| {e['method']} | {e['lag']} | {e['lr']:g} | {_fmt(e['final_success'])} | "
+            f"| {e['method']} | {e['lag']} | {e['numerics']} | {e['lr']:g} | {_fmt(e['final_success'])} | "
             f"{_fmt(e['reward_first10'], '.2f')}→{_fmt(e['reward_last10'], '.2f')} | {collapsed} | "
-            f"{_fmt(e['min_ess_ratio'])} | {_fmt(e['max_grad_norm'], '.2f')} | {_fmt(e['clip_frac_mean'])} | "
-            f"{_fmt(e['masked_frac_mean'])} |")
+            f"{_fmt(e['min_ess_ratio'], '.2f')} / {_fmt(e['p10_ess_ratio'], '.2f')} / "
+            f"{_fmt(e['median_ess_ratio'], '.2f')} | {_fmt(e['max_grad_norm'], '.2f')} | "
+            f"{_fmt(e['clip_frac_mean'])} | {_fmt(e['masked_frac_mean'])} | "
+            f"{_fmt(e['omega_max_share_mean'], '.2f')} | "
+            f"{_fmt(e['baseline_minus_mean_mean'], '.3f')} | {_fmt(e['log_w_reward_corr_mean'], '.2f')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -152,13 +152,13 @@ def _config_check(args: argparse.Namespace) -> int:
     from configs.loader import load_config, read_yaml_tree
     from configs.schema import RunConfig
     from learner.compose import engine_settings, load_task
-    from learner.config_catalog import BENCH_SCHEMAS
+    from learner.config_catalog import bench_schema_of
 
     raw = read_yaml_tree(args.file)
     if isinstance(raw, dict) and "prompt" in raw and "reward" in raw:  # a task file
         config, _ = load_task(args.file, args.overrides)
-    elif args.file.parent.name == "bench" and args.file.stem in BENCH_SCHEMAS:  # configs/bench/<name>.yaml
-        config = load_config(args.file, BENCH_SCHEMAS[args.file.stem], args.overrides)
+    elif args.file.parent.name == "bench" and bench_schema_of(args.file) is not None:  # configs/bench/*.yaml
+        config = load_config(args.file, bench_schema_of(args.file), args.overrides)
     else:  # a run config: its task and engine sections are checked too
         config = load_config(args.file, RunConfig, args.overrides)
         load_task(config.task, config.task_overrides, relative_to=args.file.parent)

@@ -40,7 +40,12 @@ def _tool_spec(path: Path) -> Any:
 BENCH_SCHEMAS: dict[str, type] = {"opob": OpobBenchConfig, "async": AsyncBenchConfig,
                                    "engine": EngineBenchConfig, "sandbox": SandboxBenchConfig,
                                    "staleness": StalenessBenchConfig, "learner": LearnerBenchConfig}
-"""configs/bench/<name>.yaml → the schema of `vcpo bench <name>`."""
+"""configs/bench/<name>.yaml (or a preset <name>_<variant>.yaml) → the schema of `vcpo bench <name>`."""
+
+
+def bench_schema_of(path: Path) -> type | None:
+    """The `vcpo bench` schema of a bench YAML, by its name (a preset's `_<variant>` suffix ignored)."""
+    return BENCH_SCHEMAS.get(path.stem.split("_", 1)[0])
 
 def check_task_config(path: str | Path, overrides: Sequence[str] = ()) -> TaskConfig:
     """Load a task YAML and check what its schema cannot: the tool spec (tools.registry) and that
@@ -62,7 +67,7 @@ def check_task_config(path: str | Path, overrides: Sequence[str] = ()) -> TaskCo
 
 
 _VALIDATORS: dict[str, Callable[[Path], Any]] = {
-    "bench": lambda path: load_config(path, BENCH_SCHEMAS.get(path.stem, OpobBenchConfig)),
+    "bench": lambda path: load_config(path, bench_schema_of(path) or OpobBenchConfig),
     "sandbox": lambda path: load_config(path, SandboxServerSettings),
     "tasks": check_task_config,
     "tools": _tool_spec,

@@ -1,6 +1,7 @@
 """`vcpo bench staleness` at toy size: the real pipeline (pre-taught tiny policy, HF engine, rollout
-manager in saturate mode, torch learner) for two methods × two lags; the JSON, the exact lags, the
-not-run rows, the plots; the lr sweep's choice; the collapse rule on hand-made curves."""
+manager in saturate mode, torch learner) for two methods × two lags, on both presets' tasks; the JSON,
+the exact lags, the not-run rows, the plots; the paper preset's regime properties, diagnostics, bf16
+engine numerics and resume; the lr sweep's cap and choice; the collapse rule on hand-made curves."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench(tmp_path: Path, **changes: object) -> StalenessBenchConfig:
-    raw = yaml.safe_load((ROOT / "configs" / "bench" / "staleness.yaml").read_text())
+    raw = yaml.safe_load((ROOT / "configs" / "bench" / "staleness_tiny.yaml").read_text())
     raw.update({"only": ["grpo", "vcpo"], "lags": [0, 3], "seeds": [0], "steps": 6, "groups_per_step": 2,
                 "group_size": 4, "max_operand": 3, "pretrain_steps": 30, "hidden_size": 32, "workers": 1,
                 "run_root": str(tmp_path / "bench")})
@@ -51,12 +52,20 @@ def test_the_matrix_runs_the_real_pipeline_with_exact_lags_and_writes_json_table
         assert (tmp_path / "bench" / name).stat().st_size > 10_000
 
 
-def test_lr_sweep_runs_each_method_at_k0_on_its_own_seed_and_picks_the_best_lr(tmp_path: Path) -> None:
+def test_lr_sweep_caps_the_grid_by_the_k1_ess_then_picks_each_methods_best_lr_at_k0(tmp_path: Path) -> None:
     result = run_staleness_bench(_bench(tmp_path, mode="lr_sweep", only=["vcpo"], lr_grid=[1e-4, 1e-2],
-                                        steps=4))
+                                        steps=4, ess_floor=0.01))
+    cap = result["lr_cap"]
+    assert cap["method"] == "seq_tis" and set(cap["median_ess_ratio_per_lr"]) == {"0.0001", "0.01"}
+    assert cap["cap"] == 1e-2  # a floor of 0.01 keeps both lrs
     assert [(r["lag"], r["seed"], r["lr"]) for r in result["runs"]] == [(0, 1000, 1e-4), (0, 1000, 1e-2)]
     best = max(result["runs"], key=lambda r: r["final_success"])
     assert result["chosen_lr"] == {"vcpo": best["lr"]}
+    # an unreachable floor leaves no lr under the cap, so nothing is swept
+    capped = run_staleness_bench(_bench(tmp_path, mode="lr_sweep", only=["vcpo"], lr_grid=[1e-4, 1e-2],
+                                        steps=4, ess_floor=1.0, run_root=str(tmp_path / "capped")))
+    assert capped["lr_cap"]["cap"] in (None, 1e-4, 1e-2) and all(
+        r["lr"] <= (capped["lr_cap"]["cap"] or 0.0) for r in capped["runs"])
 
 
 def test_collapse_is_the_first_step_the_trailing_reward_halves_or_a_value_is_not_finite() -> None:
@@ -86,3 +95,38 @@ def test_a_bad_method_or_name_is_refused_at_load_time(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="objective"):
         _bench(tmp_path, methods=[{"name": "x", "algo": {"objective": {"type": "nope"}}, "lr": 1e-3}],
                only=None)
+
+
+def test_the_paper_preset_reports_regime_diagnostics_bf16_numerics_and_resumes(tmp_path: Path) -> None:
+    raw = yaml.safe_load((ROOT / "configs" / "bench" / "staleness.yaml").read_text())
+    raw.update({"only": ["seq_tis", "vcpo_reference"], "lags": [0, 2], "seeds": [0], "steps": 4,
+                "groups_per_step": 2, "group_size": 4, "count_max": 8, "hidden_size": 32, "num_layers": 1,
+                "intermediate_size": 64, "pretrain_steps": 20, "workers": 1,
+                "numerics": ["matched", "bf16_engine"], "numerics_lags": [0],
+                "run_root": str(tmp_path / "paper")})
+    bench = StalenessBenchConfig.model_validate(raw)
+    result = run_staleness_bench(bench)
+    properties = result["properties"]
+    assert properties["task"] == "count" and properties["held_out_eval"]
+    assert properties["train_prompts"] > properties["eval_prompts"] > 0
+    assert set(properties["sampled_response_tokens"]) == {"samples", "median", "p10", "p90", "success_rate"}
+    assert properties["targets_met"]["B >= 64 in groups >= 8"] is False  # reported as measured, not assumed
+    runs = {(r["method"], r["lag"], r["numerics"]): r for r in result["runs"]}
+    assert set(runs) == {(m, lag, n) for m in ("seq_tis", "vcpo_reference") for lag, n in
+                         ((0, "matched"), (0, "bf16_engine"), (2, "matched"))}
+    for run in runs.values():
+        assert "error" not in run, run.get("error")
+    # matched numerics: w = 1 exactly at k = 0; a bf16 engine makes w ≠ 1 at k = 0
+    assert runs[("seq_tis", 0, "matched")]["curves"]["ess_ratio"] == [pytest.approx(1.0)] * 4
+    assert runs[("seq_tis", 0, "bf16_engine")]["min_ess_ratio"] < 1.0 - 1e-6
+    # OPOB's diagnostics exist for VCPO and not for sequence TIS; corr(log w, R) for both
+    vcpo_curves = runs[("vcpo_reference", 2, "matched")]["curves"]
+    assert all(v is not None and 0.0 < v <= 1.0 for v in vcpo_curves["omega_max_share"])
+    assert all(v is None for v in runs[("seq_tis", 2, "matched")]["curves"]["omega_max_share"])
+    assert all(v is not None for v in vcpo_curves["log_w_reward_corr"])
+    summary = json.loads((tmp_path / "paper" / "summary.json").read_text())
+    assert {(e["method"], e["lag"], e["numerics"]) for e in summary["summary"]} >= set(runs)
+    assert {r["lag"] for r in summary["retention"]} == {2}
+    # an interrupted or repeated matrix reuses every stored run instead of training again
+    again = run_staleness_bench(bench)
+    assert all(r.get("reused") for r in again["runs"]) and len(again["runs"]) == len(result["runs"])
