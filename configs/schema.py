@@ -168,6 +168,32 @@ class BAPOObjective(StrictModel):
     """ρ₀: required share of the clipped objective contributed by positive-advantage tokens."""
 
 
+class GSPOObjective(StrictModel):
+    """GSPO: the PPO clip on the length-normalised sequence ratio (vcpo/objectives/clipped.py)."""
+
+    type: Literal["gspo"] = "gspo"
+    """Objective name."""
+    clip_low: float = Field(3e-4, ge=0, lt=1)
+    """ε_low: sequence ratios below 1 − ε_low stop contributing (A < 0); the paper's 3e-4."""
+    clip_high: float = Field(4e-4, ge=0)
+    """ε_high: sequence ratios above 1 + ε_high stop contributing (A > 0); the paper's 4e-4."""
+    ratio_to: Literal["behavior", "proximal"] = "behavior"
+    """The ratio's denominator: the behaviour policy μ (an off-policy clip) or π_old."""
+
+
+class CISPOObjective(StrictModel):
+    """CISPO: REINFORCE × a clipped, detached token IS weight; no token is dropped (clipped.py)."""
+
+    type: Literal["cispo"] = "cispo"
+    """Objective name."""
+    clip_low: float = Field(1.0, ge=0, le=1)
+    """ε_low: the weight's lower bound is 1 − ε_low (1.0: no lower bound, as MiniMax-M1)."""
+    clip_high: float = Field(0.28, ge=0)
+    """ε_high: the weight's upper bound is 1 + ε_high."""
+    ratio_to: Literal["behavior", "proximal"] = "behavior"
+    """The ratio's denominator: the behaviour policy μ or π_old."""
+
+
 class TBAObjective(StrictModel):
     """Trajectory balance with asynchrony (VarGrad form of the TB loss, off-policy valid)."""
 
@@ -231,12 +257,14 @@ class VCPOObjective(StrictModel):
 
 Objective = Annotated[
     GRPOObjective | DrGRPOObjective | RLOOObjective | ReinforceObjective | TokenTISObjective
-    | SeqTISObjective | MISObjective | M2POObjective | BAPOObjective | TBAObjective | OTBObjective
+    | SeqTISObjective | MISObjective | M2POObjective | BAPOObjective | GSPOObjective | CISPOObjective
+    | TBAObjective | OTBObjective
     | VCPOObjective,
     Field(discriminator="type"),
 ]
 
-_GROUP_BASELINE_OBJECTIVES = {"grpo", "dr_grpo", "rloo", "seq_tis", "token_tis", "tba", "otb", "vcpo"}
+_GROUP_BASELINE_OBJECTIVES = {"grpo", "dr_grpo", "rloo", "seq_tis", "token_tis", "gspo", "cispo", "tba",
+                              "otb", "vcpo"}
 
 
 class ESSLRConfig(StrictModel):

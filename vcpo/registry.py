@@ -18,7 +18,9 @@ from typing import Any
 
 from vcpo.objectives import (
     BAPO,
+    CISPO,
     GRPO,
+    GSPO,
     M2PO,
     MIS,
     OTB,
@@ -35,7 +37,7 @@ from vcpo.step_size import ConstantLr, EssLr, StalenessLr
 
 OBJECTIVES: dict[str, type] = {
     cls.name: cls
-    for cls in (GRPO, DrGRPO, RLOO, Reinforce, TokenTIS, SeqTIS, MIS, M2PO, BAPO, TBA, OTB, VCPO)
+    for cls in (GRPO, DrGRPO, RLOO, Reinforce, TokenTIS, SeqTIS, MIS, M2PO, BAPO, GSPO, CISPO, TBA, OTB, VCPO)
 }
 """Objective classes by name (an immutable-by-convention table of classes, not of instances)."""
 

@@ -99,7 +99,7 @@ def test_vcpo_step_gradient_equals_autograd_of_the_objective_with_exact_norms(
 
 
 ALL_OBJECTIVES = ["grpo", "dr_grpo", "rloo", "reinforce", "token_tis", "seq_tis", "mis", "m2po", "bapo",
-                  "tba", "otb", "vcpo"]
+                  "gspo", "cispo", "tba", "otb", "vcpo"]
 
 
 @pytest.mark.parametrize("objective", ALL_OBJECTIVES)

@@ -20,6 +20,8 @@ EXPECTED_OBJECTIVES = {
     "mis",
     "m2po",
     "bapo",
+    "gspo",
+    "cispo",
     "tba",
     "otb",
     "vcpo",

@@ -13,13 +13,15 @@ from vcpo.objectives.base import (
     Surrogate,
     prepare_batch,
 )
-from vcpo.objectives.clipped import BAPO, GRPO, M2PO, MIS, DrGRPO, PpoClipOptions, TokenTIS
+from vcpo.objectives.clipped import BAPO, CISPO, GRPO, GSPO, M2PO, MIS, DrGRPO, PpoClipOptions, TokenTIS
 from vcpo.objectives.tba import TBA
 from vcpo.objectives.weighted import OTB, RLOO, VCPO, Reinforce, SeqTIS, SequenceTisOptions
 
 __all__ = [
     "BAPO",
+    "CISPO",
     "GRPO",
+    "GSPO",
     "M2PO",
     "MIS",
     "OTB",

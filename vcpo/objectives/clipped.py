@@ -8,6 +8,8 @@
 | mis       | (R − mean_g)/σ_g   | π_θ/π_old                  | × π_old/μ, dropped off [1/C, C] |
 | m2po      | (R − mean_g)/σ_g   | π_θ/μ, unclipped           | second-moment token mask        |
 | bapo      | (R − mean_g)/σ_g   | π_θ/μ, adaptive bounds     | none (the bounds absorb it)     |
+| gspo      | (R − mean_g)/σ_g   | sequence (π_θ/μ)^(1/|M|)   | the clip on it (or π_old)       |
+| cispo     | (R − mean_g)/σ_g   | π_θ/μ per token, detached  | the clipped weight, no drop     |
 
 Why: PPO's ratio measures drift from the policy that computed the advantages' sampling
 distribution. GRPO-style objectives treat π_old as that policy (the behaviour mismatch is
@@ -26,7 +28,7 @@ import torch
 from vcpo.advantages import dr_grpo_advantages, grpo_advantages
 from vcpo.is_weights import token_tis_weights
 from vcpo.objectives.base import ObjectiveBase, PreparedBatch, Surrogate
-from vcpo.policy_losses import clipped_surrogate, ppo_clip_token_loss, ratio_token_loss
+from vcpo.policy_losses import clipped_surrogate, ppo_clip_token_loss, ratio_token_loss, reinforce_token_loss
 from vcpo.stabilizers import bapo_bounds, m2po_mask, sequence_mis_weights, token_mis_weights
 
 
@@ -256,3 +258,104 @@ class BAPO(ObjectiveBase):
             "bapo/positive_fraction": bounds.positive_fraction,
         }
         return Surrogate(loss, advantages, clipped=clip.is_clipped, metrics=metrics)
+
+
+RATIO_DENOMINATORS = ("behavior", "proximal")
+"""What GSPO's and CISPO's ratio divides by: the behaviour policy μ (the rollout's log-probs, as veRL's
+asynchronous recipes use them as old log-probs), or the proximal π_old (then r = 1 at the gradient point
+of a one-step-per-minibatch learner: no correction at all)."""
+
+
+def _ratio_denominator(batch: PreparedBatch, ratio_to: str) -> torch.Tensor:
+    return batch.behavior_logprobs if ratio_to == "behavior" else batch.old_logprobs
+
+
+def _check_ratio_options(ratio_to: str, clip_low: float, clip_high: float, low_max: float) -> list[str]:
+    problems = []
+    if ratio_to not in RATIO_DENOMINATORS:
+        problems.append(f"ratio_to={ratio_to!r}; valid: {list(RATIO_DENOMINATORS)}")
+    if not 0.0 <= clip_low <= low_max:
+        problems.append(f"clip_low={clip_low} must be in [0, {low_max:g}] (the lower bound is 1 − clip_low)")
+    if clip_high < 0:
+        problems.append(f"clip_high={clip_high} must be ≥ 0")
+    return problems
+
+
+@dataclass(frozen=True)
+class GSPO(ObjectiveBase):
+    """GSPO: the PPO clip on the length-normalised *sequence* ratio, one decision per trajectory.
+
+    s_i = exp((1/|M_i|) Σ_{t∈M_i} log π_θ(y_t) − log ν(y_t)) with ν = μ (`ratio_to='behavior'`) or π_old
+    ('proximal'); loss_i = −min(s_i A_i, clip(s_i, 1 − ε_low, 1 + ε_high) A_i) with GRPO's A_i, the
+    gradient flowing through s_i; every token of trajectory i carries loss_i, so the default
+    seq-mean-token-mean aggregation gives (1/B) Σ_i loss_i, the paper's objective. A trajectory whose
+    clipped branch is the minimum (A > 0 and s > 1 + ε_high, or A < 0 and s < 1 − ε_low) contributes no
+    gradient; `pg/clip_frac` counts its tokens and `gspo/seq_clip_frac` the trajectories.
+    clip_low, clip_high: ε (the paper's 3e-4 and 4e-4). Reference: Zheng et al. 2025, "Group Sequence
+    Policy Optimization" (arXiv:2507.18071).
+    """
+
+    name: ClassVar[str] = "gspo"
+    loss_aggregation: str = "seq-mean-token-mean"
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+    ratio_to: str = "behavior"
+
+    def _check_options(self) -> list[str]:
+        return _check_ratio_options(self.ratio_to, self.clip_low, self.clip_high, low_max=1.0 - 1e-12)
+
+    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+        mask = batch.loss_mask
+        token_log_ratio = torch.where(mask, batch.logprobs - _ratio_denominator(batch, self.ratio_to), 0.0)
+        lengths = mask.sum(dim=-1).clamp_min(1).to(token_log_ratio.dtype)
+        seq_log_ratio = token_log_ratio.sum(dim=-1) / lengths  # log s_i, gradient through π_θ
+        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
+        clip = clipped_surrogate(seq_log_ratio[:, None], advantages[:, None], 1.0 - self.clip_low,
+                                 1.0 + self.clip_high, None, self.max_log_ratio)
+        token_loss = clip.token_loss.expand(mask.shape)  # loss_i on each of its tokens
+        loss = self.aggregate(token_loss, mask, batch.num_units)
+        clipped_seq = clip.is_clipped[:, 0] & batch.valid & mask.any(dim=-1)
+        present = (batch.valid & mask.any(dim=-1)).sum().clamp_min(1)
+        seq_ratio = seq_log_ratio.detach().clamp(-self.max_log_ratio, self.max_log_ratio).exp()
+        metrics = {"gspo/seq_clip_frac": clipped_seq.sum().float() / present.float(),
+                   "gspo/seq_ratio_mean": _masked_seq_mean(seq_ratio, batch.valid)}
+        return Surrogate(loss, advantages, clipped=clipped_seq[:, None] & mask, metrics=metrics)
+
+
+def _masked_seq_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid, values, torch.zeros_like(values)).sum() / valid.sum().clamp_min(1)
+
+
+@dataclass(frozen=True)
+class CISPO(ObjectiveBase):
+    """CISPO: REINFORCE with a clipped, detached token IS weight — every token keeps its gradient.
+
+    loss_t = −sg[clip(r_t, 1 − ε_low, 1 + ε_high)] · A_i · log π_θ(y_t), r_t = π_θ(y_t)/ν(y_t) with ν = μ
+    (`ratio_to='behavior'`) or π_old ('proximal'), GRPO's A_i, token-mean aggregation (as MiniMax-M1).
+    Unlike the PPO clip, a token outside the range is not dropped: its weight is held at the bound
+    (`pg/clip_frac` counts those tokens). clip_low: ε_low, default 1.0 — a lower bound of 0, i.e. none,
+    as M1 ran it; clip_high: ε_high (default 0.28). Reference: MiniMax 2025, "MiniMax-M1: Scaling
+    Test-Time Compute Efficiently with Lightning Attention" (arXiv:2506.13585), §3.1.
+    """
+
+    name: ClassVar[str] = "cispo"
+    clip_low: float = 1.0
+    clip_high: float = 0.28
+    ratio_to: str = "behavior"
+
+    def _check_options(self) -> list[str]:
+        return _check_ratio_options(self.ratio_to, self.clip_low, self.clip_high, low_max=1.0)
+
+    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+        mask = batch.loss_mask
+        log_ratio = (batch.logprobs.detach() - _ratio_denominator(batch, self.ratio_to)).clamp(
+            -self.max_log_ratio, self.max_log_ratio)
+        ratio = torch.where(mask, log_ratio.exp(), torch.zeros_like(log_ratio))
+        lower, upper = 1.0 - self.clip_low, 1.0 + self.clip_high
+        weights = ratio.clamp(lower, upper)  # detached: the IS weight changes the measure, not the loss
+        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
+        token_loss = reinforce_token_loss(batch.logprobs, weights * advantages[:, None])
+        loss = self.aggregate(token_loss, mask, batch.num_units)
+        clipped = mask & ((ratio > upper) | (ratio < lower))
+        weight_mean = torch.where(mask, weights, 0.0).sum() / mask.sum().clamp_min(1)
+        return Surrogate(loss, advantages, clipped=clipped, metrics={"cispo/weight_mean": weight_mean})
