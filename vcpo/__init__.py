@@ -23,7 +23,9 @@ from vcpo.is_weights import (
 )
 from vcpo.objectives import (
     BAPO,
+    CISPO,
     GRPO,
+    GSPO,
     M2PO,
     MIS,
     OTB,
@@ -95,9 +97,11 @@ from vcpo.step_size import (
 __all__ = [
     "BAPO",
     "BASELINE_AGGREGATIONS",
+    "CISPO",
     "DEFAULT_MAX_LOG_RATIO",
     "ESS_LR_RULES",
     "GRPO",
+    "GSPO",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "LR_SCALE_RULES",
