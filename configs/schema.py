@@ -410,16 +410,16 @@ class StalenessBenchConfig(StrictModel):
     """Prompts per step."""
     group_size: int = Field(8, ge=2)
     """Samples per prompt."""
-    task: Literal["count", "addition"] = "count"
+    task: Literal["count", "alphabet", "addition"] = "count"
     """The verifiable task (learner/staleness_tasks.py): 'count' — "17-41" → "17 18 … 41", long variable
     answers, held-out evaluation prompts (the paper preset); 'addition' — "a+b=" → the sum, 1–2 answer
     tokens (the tiny preset)."""
     max_operand: int = Field(4, ge=1, le=99)
     """addition: a, b in 0..max_operand."""
     count_min: int = Field(4, ge=1, le=90)
-    """count: fewest numbers in an answer (3 tokens each)."""
+    """count / alphabet: fewest numbers (letters) in an answer, 3 tokens each."""
     count_max: int = Field(22, ge=1, le=90)
-    """count: most numbers in an answer."""
+    """count / alphabet: most numbers (letters) in an answer (alphabet: at most 26)."""
     eval_fraction: float = Field(0.2, gt=0, lt=1)
     """count: share of the (start, count) pairs held out for evaluation (never trained on)."""
     split_seed: int = 0

@@ -50,12 +50,28 @@ def problems(bench: StalenessBenchConfig) -> tuple[list[Problem], list[Problem]]
         every = [Problem(f"{a}+{b}=", str(a + b))
                  for a in range(bench.max_operand + 1) for b in range(bench.max_operand + 1)]
         return every, every
+    if bench.task == "alphabet":
+        return _split(bench, [(start, count) for count in range(bench.count_min, bench.count_max + 1)
+                              for start in range(26 - count + 1)], _alphabet_problem)
     pairs = [(start, count) for count in range(bench.count_min, bench.count_max + 1)
              for start in range(COUNT_START, 100 - count + 1)]
     random.Random(bench.split_seed).shuffle(pairs)
     held_out = max(1, round(bench.eval_fraction * len(pairs)))
     as_problems = [Problem(f"{start}-{start + count - 1}", " ".join(map(str, range(start, start + count))))
                    for start, count in pairs]
+    return as_problems[held_out:], as_problems[:held_out]
+
+
+def _alphabet_problem(start: int, count: int) -> Problem:
+    letters = [chr(ord("a") + i) for i in range(start, start + count)]
+    return Problem(f"{letters[0]}-{letters[-1]}", ", ".join(letters))
+
+
+def _split(bench: StalenessBenchConfig, pairs: list[tuple[int, int]],
+           make: Any) -> tuple[list[Problem], list[Problem]]:
+    random.Random(bench.split_seed).shuffle(pairs)
+    held_out = max(1, round(bench.eval_fraction * len(pairs)))
+    as_problems = [make(start, count) for start, count in pairs]
     return as_problems[held_out:], as_problems[:held_out]
 
 
@@ -68,6 +84,8 @@ def task_file(bench: StalenessBenchConfig, root: Path) -> Path:
     (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     if bench.task == "addition":
         pattern, new_tokens = r"\A(\d+)\Z", 4
+    elif bench.task == "alphabet":
+        pattern, new_tokens = r"\A([a-z](?:, [a-z])*)\Z", 3 * bench.count_max + 4
     else:
         pattern, new_tokens = r"\A(\d+(?: \d+)*)\Z", 3 * bench.count_max + 4
     task = {
@@ -85,31 +103,50 @@ def task_file(bench: StalenessBenchConfig, root: Path) -> Path:
     return path
 
 
+POLICY_RECIPE = 2
+"""Bumped when the pre-teaching code changes what a fingerprint's policy is (2: compact chat template,
+evaluations every CHECK_EVERY steps), so no stale cached policy is reused."""
+
+
 def policy_fingerprint(bench: StalenessBenchConfig) -> str:
     """What the pre-taught policy depends on (its cache key)."""
     fields = ("task", "max_operand", "count_min", "count_max", "eval_fraction", "split_seed",
               "pretrain_success", "pretrain_steps", "pretrain_lr", "pretrain_batch", "hidden_size",
               "num_layers", "intermediate_size")
-    text = json.dumps({name: getattr(bench, name) for name in fields}, sort_keys=True)
+    recipe = 1 if bench.task == "addition" else POLICY_RECIPE  # the tiny preset's policy is unchanged
+    text = json.dumps({"recipe": recipe, **{name: getattr(bench, name) for name in fields}}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _examples(items: list[Problem]) -> list[tuple[list[int], list[int]]]:
-    """(chat prompt ids, answer + end-of-turn ids) per problem."""
-    from agent_env.prompts import render_prompt_ids
+COMPACT_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}=>"
+"""The count/alphabet policies' chat template: the prompt and "=>" (7 tokens for "17-41") instead of
+ChatML's ~24 — the RL dynamics do not need role markers, and prompt tokens are ~40% of the compute."""
+
+
+def _tokenizer(bench: StalenessBenchConfig) -> Any:
     from rollout.tiny import build_byte_tokenizer
 
     tokenizer = build_byte_tokenizer()
+    if bench.task != "addition":  # addition keeps ChatML, as the tiny preset always had it
+        tokenizer.chat_template = COMPACT_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _examples(bench: StalenessBenchConfig, items: list[Problem]) -> list[tuple[list[int], list[int]]]:
+    """(chat prompt ids, answer + end-of-turn ids) per problem."""
+    from agent_env.prompts import render_prompt_ids
+
+    tokenizer = _tokenizer(bench)
     return [(render_prompt_ids(tokenizer, [{"role": "user", "content": p.prompt}]),
              [*tokenizer.encode(p.answer, add_special_tokens=False), tokenizer.eos_token_id]) for p in items]
 
 
-def answer_batch(items: list[Problem]) -> tuple[Any, Any, Any]:
+def answer_batch(bench: StalenessBenchConfig, items: list[Problem]) -> tuple[Any, Any, Any]:
     """Every problem's (prompt + right answer + end-of-turn) as one padded batch, the answer as labels."""
     from rollout.tiny import padded_sft_batch
 
     return padded_sft_batch([(prompt + answer, [False] * len(prompt) + [True] * len(answer))
-                             for prompt, answer in _examples(items)])
+                             for prompt, answer in _examples(bench, items)])
 
 
 def success_of(model: Any, batch: tuple[Any, Any, Any]) -> float:
@@ -131,7 +168,7 @@ def success_probability(model_dir: Path, bench: StalenessBenchConfig) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    return success_of(model, answer_batch(problems(bench)[1]))
+    return success_of(model, answer_batch(bench, problems(bench)[1]))
 
 
 def pretrained_policy(bench: StalenessBenchConfig, root: Path) -> Path:
@@ -146,22 +183,40 @@ def pretrained_policy(bench: StalenessBenchConfig, root: Path) -> Path:
     make_tiny_model_dir(tmp, TinyModelSpec(hidden_size=bench.hidden_size, num_layers=bench.num_layers,
                                            intermediate_size=bench.intermediate_size or 2 * bench.hidden_size,
                                            seed=0))
+    _tokenizer(bench).save_pretrained(tmp)  # the template the engine and the learner will render with
     train, held_out = problems(bench)
-    check = answer_batch(held_out)
+    check = answer_batch(bench, held_out)
     if bench.task == "addition":  # full-batch Adam, as the tiny preset always did
-        teach_tiny_model(tmp, _examples(train), steps=bench.pretrain_steps, lr=3e-3, check_every=1,
+        teach_tiny_model(tmp, _examples(bench, train), steps=bench.pretrain_steps, lr=3e-3, check_every=1,
                          until=lambda model: success_of(model, check) >= bench.pretrain_success)
     else:
-        _teach_in_minibatches(tmp, bench, _examples(train), check)
+        _teach_in_minibatches(tmp, bench, _examples(bench, train), check, root)
     shutil.rmtree(model_dir, ignore_errors=True)
     os.replace(tmp, model_dir)
     return model_dir
 
 
+CHECK_EVERY = 50
+"""Pre-teaching steps between two evaluations of the success probability (the stopping test)."""
+
+
+def _teaching_key(bench: StalenessBenchConfig) -> str:
+    """What the pre-teaching trajectory depends on — not where it stops (steps, success target)."""
+    fields = ("task", "count_min", "count_max", "eval_fraction", "split_seed", "pretrain_lr",
+              "pretrain_batch", "hidden_size", "num_layers", "intermediate_size")
+    text = json.dumps({"recipe": POLICY_RECIPE, **{name: getattr(bench, name) for name in fields}},
+                      sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def _teach_in_minibatches(model_dir: Path, bench: StalenessBenchConfig,
-                          examples: list[tuple[list[int], list[int]]], check: tuple[Any, Any, Any]) -> None:
-    """Adam on random minibatches of `pretrain_batch` right answers; stops once the evaluation success
-    probability (checked every 10 steps) reaches `pretrain_success`, or after `pretrain_steps`."""
+                          examples: list[tuple[list[int], list[int]]], check: tuple[Any, Any, Any],
+                          root: Path) -> None:
+    """Adam on random minibatches of `pretrain_batch` right answers; stops at the first evaluation
+    (every CHECK_EVERY steps) whose success probability reaches `pretrain_success`, or after
+    `pretrain_steps`. The whole state (weights, Adam, sampler, step, evaluations) is saved atomically at
+    every evaluation under `root/teaching-<key>.pt`, so an interrupted or longer pre-teaching continues
+    where the last one stopped, exactly as one uninterrupted run would."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -171,20 +226,36 @@ def _teach_in_minibatches(model_dir: Path, bench: StalenessBenchConfig,
     model = AutoModelForCausalLM.from_pretrained(model_dir).train()
     generator = torch.Generator().manual_seed(0)
     optimizer = torch.optim.Adam(model.parameters(), lr=bench.pretrain_lr)
-    for step in range(bench.pretrain_steps):
+    state_path = root / f"teaching-{_teaching_key(bench)}.pt"
+    step, history = 0, []
+    if state_path.is_file():
+        state = torch.load(state_path, weights_only=False)
+        reached = [s for s, success in state["history"] if success >= bench.pretrain_success]
+        on_path = (not reached or reached[0] == state["step"]) and state["step"] <= bench.pretrain_steps
+        if on_path:  # this request would have passed through the saved state: continue from it
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            generator.set_state(state["generator"])
+            step, history = state["step"], state["history"]
+    done = bool(history) and history[-1][1] >= bench.pretrain_success
+    while not done and step < bench.pretrain_steps:
         chosen = torch.randint(len(rows), (bench.pretrain_batch,), generator=generator).tolist()
         ids, attention, labels = padded_sft_batch([rows[i] for i in chosen])
         model(input_ids=ids, attention_mask=attention, labels=labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if (step + 1) % 10 == 0:
+        step += 1
+        if step % CHECK_EVERY == 0:
             with torch.no_grad():
                 success = success_of(model.eval(), check)
             model.train()
-            if (step + 1) % 100 == 0:
-                log.info("pre-teaching step %d: evaluation success probability %.3f", step + 1, success)
-            if success >= bench.pretrain_success:
-                break
+            history.append((step, success))
+            log.info("pre-teaching step %d: evaluation success probability %.3f", step, success)
+            tmp = state_path.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "generator": generator.get_state(), "step": step, "history": history}, tmp)
+            os.replace(tmp, state_path)
+            done = success >= bench.pretrain_success
     model.eval().save_pretrained(model_dir, safe_serialization=True)
 
 
@@ -203,11 +274,9 @@ def sampled_lengths(model_dir: Path, bench: StalenessBenchConfig, prompts: int =
     eos = model.config.eos_token_id
     lengths, correct = [], 0
     torch.manual_seed(seed)
-    from rollout.tiny import build_byte_tokenizer
-
-    tokenizer = build_byte_tokenizer()
-    budget = 3 * bench.count_max + 4 if bench.task == "count" else 4
-    for problem, (prompt, _) in zip(chosen, _examples(chosen), strict=True):
+    tokenizer = _tokenizer(bench)
+    budget = 4 if bench.task == "addition" else 3 * bench.count_max + 4
+    for problem, (prompt, _) in zip(chosen, _examples(bench, chosen), strict=True):
         ids = torch.tensor([prompt] * samples)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
