@@ -466,6 +466,8 @@ class StalenessBenchConfig(StrictModel):
     median ESS ≥ ess_floor), then each method at k = 0 with every lr up to the cap (seed `sweep_seed`)."""
     run_root: str = "runs/bench-staleness"
     """Where the policy, the task, every run directory and the plots go."""
+    results_dir: str | None = None
+    """Where each finished run's row is stored and found again (resume); None = run_root/results."""
 
     @model_validator(mode="after")
     def _check(self) -> StalenessBenchConfig:

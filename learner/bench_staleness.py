@@ -21,8 +21,9 @@ teacher-forced probability of the right answer followed by end-of-turn, averaged
 (no sampling noise). Collapse: the first step whose trailing-10-step training reward falls below
 `collapse_fraction` × its first 10 steps' reward, or a non-finite loss / grad norm.
 
-Finished runs are stored under `run_root/results/` keyed by everything that decides them, so an
-interrupted matrix resumes where it stopped and a rerun with other lags or methods reuses what fits.
+Finished runs are stored under `results_dir` (default `run_root/results/`) keyed by everything that
+decides them, so an interrupted matrix resumes where it stopped and a rerun with other lags or methods
+reuses what fits; pointing `results_dir` at a committed folder carries a long matrix across machines.
 
 Learning rates: `mode: lr_sweep` first runs `cap_method` at k = 1 with every lr of `lr_grid` (the cap:
 the largest lr whose median ESS ratio stays ≥ `ess_floor`), then every method at k = 0 (on policy,
@@ -232,8 +233,13 @@ def run_key(bench: StalenessBenchConfig, job: Job) -> str:
     return f"{_run_name(method, lag, seed, numerics)}-{digest}"
 
 
-def _stored(root: Path, key: str) -> dict[str, Any] | None:
-    path = root / "results" / f"{key}.json"
+def results_dir(bench: StalenessBenchConfig) -> Path:
+    """Where finished runs are stored: `results_dir`, else `run_root/results`."""
+    return Path(bench.results_dir) if bench.results_dir is not None else Path(bench.run_root) / "results"
+
+
+def _stored(directory: Path, key: str) -> dict[str, Any] | None:
+    path = directory / f"{key}.json"
     if not path.is_file():
         return None
     try:
@@ -242,8 +248,7 @@ def _stored(root: Path, key: str) -> dict[str, Any] | None:
         return None  # a torn file (an interrupted write) is simply run again
 
 
-def _store(root: Path, key: str, row: dict[str, Any]) -> None:
-    directory = root / "results"
+def _store(directory: Path, key: str, row: dict[str, Any]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{key}.json.tmp"
     tmp.write_text(json.dumps(row, allow_nan=True))
@@ -275,13 +280,13 @@ def _run_jobs(bench: StalenessBenchConfig, jobs: list[Job], model_dir: Path, tas
     rows: list[dict[str, Any]] = []
     todo = []
     for job in jobs:
-        stored = _stored(root, run_key(bench, job))
+        stored = _stored(results_dir(bench), run_key(bench, job))
         if stored is not None:
             rows.append({**stored, "reused": True})
         else:
             todo.append(job)
     if rows:
-        progress(f"[bench staleness] {len(rows)} of {len(jobs)} runs reused from {root / 'results'}")
+        progress(f"[bench staleness] {len(rows)} of {len(jobs)} runs reused from {results_dir(bench)}")
     if not todo:
         return rows
     context = multiprocessing.get_context("spawn")
@@ -292,7 +297,7 @@ def _run_jobs(bench: StalenessBenchConfig, jobs: list[Job], model_dir: Path, tas
             method, lag, seed, numerics = futures[future]
             try:
                 row = future.result()
-                _store(root, run_key(bench, (method, lag, seed, numerics)), row)
+                _store(results_dir(bench), run_key(bench, (method, lag, seed, numerics)), row)
             except Exception as exc:  # one broken run keeps its row with the error, the rest go on
                 row = {"method": method.name, "lag": lag, "seed": seed, "numerics": numerics, "lr": method.lr,
                        "error": f"{type(exc).__name__}: {exc}"}
