@@ -67,6 +67,21 @@ def random_trajectories(num_groups: int, per_group: int, seed: int = 0) -> list[
     return trajectories
 
 
+def capture_grads(learner: object) -> dict[str, torch.Tensor]:
+    """Make `learner`'s next step record every parameter's gradient here (and skip its optimizer step):
+    the dict fills when the step reaches `_finish`."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def finish(lr_scale: float) -> float:
+        for name, p in learner.model.named_parameters():  # type: ignore[attr-defined]
+            captured[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        learner.model.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
+        return 0.0
+
+    learner._finish = finish  # type: ignore[attr-defined]
+    return captured
+
+
 @pytest.fixture(autouse=True)
 def _single_thread() -> Iterator[None]:
     """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine a busy

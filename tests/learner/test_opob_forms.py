@@ -21,7 +21,7 @@ from learner.packing import TrajectoryTokens
 from learner.torch_learner import StepInput, TorchLearner
 from learner.varlen_attention import register_varlen_sdpa
 from rollout.trajectory import Trajectory, TrajectoryVersions
-from tests.learner.conftest import random_trajectories, tiny_model
+from tests.learner.conftest import capture_grads, random_trajectories, tiny_model
 
 REWARDS = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
 """Three groups of three: mixed, all equal (degenerate), mixed."""
@@ -112,15 +112,7 @@ def _learner_gradient(model: torch.nn.Module, algo: AlgoConfig, trajectories: li
                       temperature: float) -> dict[str, torch.Tensor]:
     learner = TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=micro_batch_tokens,
                            temperature=temperature)
-    captured: dict[str, torch.Tensor] = {}
-
-    def finish(lr_scale: float) -> float:
-        for name, p in learner.model.named_parameters():
-            captured[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-        learner.model.zero_grad(set_to_none=True)
-        return 0.0
-
-    learner._finish = finish  # type: ignore[method-assign]
+    captured = capture_grads(learner)
     size = len(trajectories)
     learner.step(StepInput(trajectories, groups, [0] * size, [True] * size))
     return captured

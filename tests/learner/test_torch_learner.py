@@ -15,7 +15,7 @@ from learner.packing import TrajectoryTokens
 from learner.torch_learner import StepInput, TorchLearner, lr_at
 from learner.varlen_attention import register_varlen_sdpa
 from rollout.trajectory import Trajectory, TrajectoryVersions
-from tests.learner.conftest import random_trajectories, tiny_model
+from tests.learner.conftest import capture_grads, random_trajectories, tiny_model
 from vcpo.objectives import PolicyLossInputs
 
 
@@ -34,19 +34,6 @@ def _as_trajectories(tokens: list[TrajectoryTokens], seed: int = 0) -> tuple[lis
 def _learner(algo: AlgoConfig, seed: int = 0, micro_batch_tokens: int = 64) -> TorchLearner:
     model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa(), seed=seed).train()
     return TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=micro_batch_tokens)
-
-
-def _capture_grads(learner: TorchLearner) -> dict[str, torch.Tensor]:
-    captured: dict[str, torch.Tensor] = {}
-
-    def finish(lr_scale: float) -> float:
-        for name, p in learner.model.named_parameters():
-            captured[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-        learner.model.zero_grad(set_to_none=True)
-        return 0.0
-
-    learner._finish = finish  # type: ignore[method-assign]
-    return captured
 
 
 def _padded_logprobs(model: torch.nn.Module, tokens: list[TrajectoryTokens]) -> torch.Tensor:
@@ -69,7 +56,7 @@ def test_vcpo_step_gradient_equals_autograd_of_the_objective_with_exact_norms(
     trajectories, groups = _as_trajectories(tokens)
     algo = AlgoConfig.model_validate({"objective": {"type": "vcpo", "is_cap": 2.0}, "group_size": 3})
     learner = _learner(algo, micro_batch_tokens=micro_batch_tokens)
-    grads = _capture_grads(learner)
+    grads = capture_grads(learner)
     lags = [0] * len(tokens)
     learner.step(StepInput(trajectories, groups, lags, [True] * len(tokens)))
 
@@ -167,7 +154,7 @@ def test_bf16_autocast_step_is_the_fp32_step_up_to_bf16_rounding(objective: str)
     step = StepInput(trajectories, groups, [1] * len(tokens), [True] * len(tokens))
     exact, mixed = _learner(algo), _learner(algo)
     mixed.autocast_dtype = torch.bfloat16
-    exact_grads, mixed_grads = _capture_grads(exact), _capture_grads(mixed)
+    exact_grads, mixed_grads = capture_grads(exact), capture_grads(mixed)
     exact_metrics, mixed_metrics = exact.step(step), mixed.step(step)
     for key in ("is/ess_ratio", "is/w_max", "lr/scale", "is/log_w_mean"):
         assert mixed_metrics[key] == exact_metrics[key], key
@@ -223,7 +210,7 @@ def test_untrained_trajectories_contribute_no_gradient() -> None:
     trajectories, groups = _as_trajectories(tokens)
     algo = AlgoConfig.model_validate({"objective": {"type": "grpo"}, "group_size": 3})
     learner = _learner(algo)
-    grads = _capture_grads(learner)
+    grads = capture_grads(learner)
     learner.step(StepInput(trajectories, groups, [0] * 6, [False] * 6))
     assert all(float(g.abs().sum()) == 0.0 for g in grads.values())
 
