@@ -7,11 +7,11 @@ the torch learner with the method's objective and step-size rule, weight sync by
 
 Two presets (learner/staleness_tasks.py has the tasks):
 
-* `configs/bench/staleness.yaml` (the default, "paper-like"): a ~0.6M-parameter byte-level Llama
-  pre-taught to count ("17-41" → "17 18 … 41"; answers of 12–66 tokens) to an exact success
-  probability of ~0.3 on held-out prompts; B = 64 trajectories per step in groups of 8; lrs capped
-  where sequence TIS keeps a median ESS ratio ≥ 0.9 at k = 1 (small per-step moves, as in LLM RL);
-  optional bf16 sampling engine against the fp32 learner (`numerics`), so w ≠ 1 even at k = 0.
+* `configs/bench/staleness.yaml` (the default, "paper-like"): a ~0.55M-parameter byte-level Llama
+  pre-taught to spell letter ranges ("d-k" → "d, e, f, g, h, i, j, k"; answers of 14–71 tokens) to
+  an exact success probability of ~0.3 on held-out prompts; B = 64 trajectories per step in groups
+  of 8; lrs capped where sequence TIS keeps a median ESS ratio ≥ 0.9 at k = 1 (small per-step moves,
+  as in LLM RL); optional bf16 sampling engine against the fp32 learner (`numerics`), so w ≠ 1 even at k = 0.
 * `configs/bench/staleness_tiny.yaml`: "a+b=" → the sum (1–2 answer tokens), the CI smoke.
 
 Per run we record the curves of `metrics.jsonl` (training reward, ESS ratio, lr scale, grad norm,
