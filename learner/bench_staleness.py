@@ -8,7 +8,7 @@ the torch learner with the method's objective and step-size rule, weight sync by
 Two presets (learner/staleness_tasks.py has the tasks):
 
 * `configs/bench/staleness.yaml` (the default, "paper-like"): a ~0.55M-parameter byte-level Llama
-  pre-taught to spell letter ranges ("d-k" → "d, e, f, g, h, i, j, k"; answers of 14–71 tokens) to
+  pre-taught to spell letter ranges ("d-k" → "d, e, f, g, h, i, j, k"; answers of 14–65 tokens) to
   an exact success probability of ~0.3 on held-out prompts; B = 64 trajectories per step in groups
   of 8; lrs capped where sequence TIS keeps a median ESS ratio ≥ 0.9 at k = 1 (small per-step moves,
   as in LLM RL); optional bf16 sampling engine against the fp32 learner (`numerics`), so w ≠ 1 even at k = 0.
