@@ -446,7 +446,7 @@ class StalenessBenchConfig(StrictModel):
     """Lags at which the 'bf16_engine' numerics run (None = every lag)."""
     ess_floor: float = Field(0.9, gt=0, le=1)
     """lr_sweep: the grid stops at the largest lr at which `cap_method` keeps a median ESS ratio ≥ this
-    at k = 1 (small per-step moves, as in LLM RL)."""
+    at k = 1 without collapsing (small per-step moves, as in LLM RL; a collapsed policy's ESS is 1)."""
     cap_method: str = "seq_tis"
     """lr_sweep: the method whose k = 1 ESS caps the grid."""
     common_lr: float | None = Field(None, gt=0)

@@ -309,12 +309,22 @@ def _run_jobs(bench: StalenessBenchConfig, jobs: list[Job], model_dir: Path, tas
 
 
 def _lr_cap(bench: StalenessBenchConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """From the cap probe's rows: the median ESS ratio per lr and the largest lr keeping ≥ ess_floor."""
-    per_lr = {row["lr"]: row.get("median_ess_ratio") for row in rows if "error" not in row}
-    kept = [lr for lr, ess in per_lr.items() if ess is not None and ess >= bench.ess_floor]
+    """From the cap probe's rows: the median ESS ratio per lr, and the cap — the largest lr such that it
+    and every smaller lr kept a median ESS ratio ≥ ess_floor *without collapsing*. A collapsed policy
+    samples (nearly) deterministically, so its IS weights are 1 and its ESS says nothing: seq TIS at lr
+    1e-3 collapsed at step 11 and then logged a median ESS ratio of 1.0000 (docs/results.md)."""
+    good = {row["lr"]: row for row in rows if "error" not in row}
+    qualifies = {lr: row.get("median_ess_ratio") is not None and row["median_ess_ratio"] >= bench.ess_floor
+                 and row.get("collapse_step") is None for lr, row in good.items()}
+    cap = None
+    for lr in sorted(good):
+        if not qualifies[lr]:
+            break
+        cap = lr
     return {"method": bench.cap_method, "lag": 1, "ess_floor": bench.ess_floor,
-            "median_ess_ratio_per_lr": {f"{lr:g}": ess for lr, ess in sorted(per_lr.items())},
-            "cap": max(kept) if kept else None}
+            "median_ess_ratio_per_lr": {f"{lr:g}": good[lr].get("median_ess_ratio") for lr in sorted(good)},
+            "collapse_step_per_lr": {f"{lr:g}": good[lr].get("collapse_step") for lr in sorted(good)},
+            "cap": cap}
 
 
 def measured_properties(bench: StalenessBenchConfig, model_dir: Path, initial: float) -> dict[str, Any]:

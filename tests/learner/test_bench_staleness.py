@@ -130,3 +130,20 @@ def test_the_paper_preset_reports_regime_diagnostics_bf16_numerics_and_resumes(t
     # an interrupted or repeated matrix reuses every stored run instead of training again
     again = run_staleness_bench(bench)
     assert all(r.get("reused") for r in again["runs"]) and len(again["runs"]) == len(result["runs"])
+
+
+def test_the_lr_cap_stops_below_the_first_lr_that_loses_ess_or_collapses(tmp_path: Path) -> None:
+    from learner.bench_staleness import _lr_cap
+
+    bench = _bench(tmp_path, ess_floor=0.9)
+
+    def row(lr: float, ess: float, collapse: int | None = None) -> dict[str, object]:
+        return {"lr": lr, "median_ess_ratio": ess, "collapse_step": collapse}
+
+    # a collapsed policy samples deterministically, so its ESS is 1: it must not pass the cap
+    rows = [row(3e-5, 0.9999), row(1e-4, 0.998), row(3e-4, 0.976), row(1e-3, 1.0, collapse=11)]
+    assert _lr_cap(bench, rows)["cap"] == 3e-4
+    # the cap is monotone: a larger lr that happens to pass above a failing one is not taken
+    rows = [row(3e-5, 0.99), row(1e-4, 0.5), row(3e-4, 0.95)]
+    assert _lr_cap(bench, rows)["cap"] == 3e-5
+    assert _lr_cap(bench, [row(3e-5, 0.5)])["cap"] is None
