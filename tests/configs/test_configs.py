@@ -12,6 +12,7 @@ from configs import schema as schema_module
 from configs.loader import ConfigError, load_config, write_resolved_config
 from configs.schema import AlgoConfig, RunConfig
 from learner.config_catalog import shipped_config_files, validate_shipped_file
+from vcpo.registry import OBJECTIVES
 
 
 @pytest.mark.parametrize("path", shipped_config_files(), ids=lambda p: p.name)
@@ -96,6 +97,36 @@ def test_cross_field_rule_names_both_fields_and_fix() -> None:
         AlgoConfig(group_size=1)
     with pytest.raises(ValueError, match=r"ess_lr\.enabled and staleness_lr\.enabled"):
         AlgoConfig.model_validate({"staleness_lr": {"enabled": True}})
+
+
+@pytest.mark.parametrize("kind", sorted(OBJECTIVES))
+def test_every_objective_config_default_is_the_registry_default(kind: str) -> None:
+    """A run config that names only the objective type gets the objective class's own defaults."""
+    from learner.algorithm import build_objective
+
+    algo = AlgoConfig.model_validate({"objective": {"type": kind}, "ess_lr": {"enabled": False}})
+    assert build_objective(algo) == OBJECTIVES[kind]()
+
+
+@pytest.mark.parametrize(
+    ("objective", "field"),
+    [
+        ({"type": "gspo", "clip_low": 1.0}, "clip_low"),
+        ({"type": "gspo", "clip_high": -0.1}, "clip_high"),
+        ({"type": "gspo", "ratio_to": "engine"}, "ratio_to"),
+        ({"type": "cispo", "clip_low": 1.2}, "clip_low"),
+        ({"type": "cispo", "clip_high": -0.1}, "clip_high"),
+        ({"type": "cispo", "ratio_to": "old"}, "ratio_to"),
+    ],
+)
+def test_gspo_and_cispo_options_are_range_checked(objective: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        AlgoConfig.model_validate({"objective": objective})
+
+
+def test_cispo_accepts_no_lower_bound() -> None:
+    algo = AlgoConfig.model_validate({"objective": {"type": "cispo", "clip_low": 1.0}})
+    assert algo.objective.clip_low == 1.0
 
 
 def test_yaml_syntax_error_names_line(tmp_path: Path) -> None:

@@ -109,7 +109,9 @@ class LossCounts(NamedTuple):
     nonfinite_trajectories: excluded for a non-finite reward / logprob on a trained token.
     degenerate_groups: groups that are singletons or have all rewards equal (advantage 0).
     trained_tokens: trained tokens of valid trajectories.
-    clipped_tokens: tokens whose gradient a clip zeroed. masked_tokens: tokens a stabilizer dropped.
+    clipped_tokens: tokens a clip acted on — whose gradient a PPO-style clip zeroed (GSPO: every token of
+        a clipped trajectory), or whose IS weight CISPO held at a bound (the gradient is kept).
+    masked_tokens: tokens a stabilizer dropped.
     baseline_fallbacks: baseline cells (OPOB groups, OTB group×position) with zero total weight.
     nonfinite_grad_norms: trajectories whose squared gradient norm was non-finite (OPOB weight 0).
     """
@@ -190,7 +192,8 @@ class Surrogate(NamedTuple):
     """What an objective's `_surrogate` returns.
 
     loss: 0-d policy loss. advantages: (B, T) or (B,) advantages (broadcast over tokens).
-    clipped, masked: (B, T) bool tokens zeroed by a clip / dropped by a mask, or None.
+    clipped, masked: (B, T) bool tokens a clip acted on (see `LossCounts.clipped_tokens`) / dropped by
+        a mask, or None.
     metrics: extra objective-specific metrics. baseline_fallbacks, nonfinite_grad_norms: 0-d counts.
     """
 

@@ -270,12 +270,17 @@ def _ratio_denominator(batch: PreparedBatch, ratio_to: str) -> torch.Tensor:
     return batch.behavior_logprobs if ratio_to == "behavior" else batch.old_logprobs
 
 
-def _check_ratio_options(ratio_to: str, clip_low: float, clip_high: float, low_max: float) -> list[str]:
+def _check_ratio_options(
+    ratio_to: str, clip_low: float, clip_high: float, allow_zero_bound: bool
+) -> list[str]:
+    """Problems with GSPO's/CISPO's options; `allow_zero_bound`: clip_low = 1 (lower bound 0) is allowed."""
     problems = []
     if ratio_to not in RATIO_DENOMINATORS:
         problems.append(f"ratio_to={ratio_to!r}; valid: {list(RATIO_DENOMINATORS)}")
-    if not 0.0 <= clip_low <= low_max:
-        problems.append(f"clip_low={clip_low} must be in [0, {low_max:g}] (the lower bound is 1 − clip_low)")
+    in_range = 0.0 <= clip_low <= 1.0 if allow_zero_bound else 0.0 <= clip_low < 1.0
+    if not in_range:
+        interval = "[0, 1]" if allow_zero_bound else "[0, 1)"
+        problems.append(f"clip_low={clip_low} must be in {interval} (the lower bound is 1 − clip_low)")
     if clip_high < 0:
         problems.append(f"clip_high={clip_high} must be ≥ 0")
     return problems
@@ -302,7 +307,7 @@ class GSPO(ObjectiveBase):
     ratio_to: str = "behavior"
 
     def _check_options(self) -> list[str]:
-        return _check_ratio_options(self.ratio_to, self.clip_low, self.clip_high, low_max=1.0 - 1e-12)
+        return _check_ratio_options(self.ratio_to, self.clip_low, self.clip_high, allow_zero_bound=False)
 
     def _surrogate(self, batch: PreparedBatch) -> Surrogate:
         mask = batch.loss_mask
@@ -310,15 +315,23 @@ class GSPO(ObjectiveBase):
         lengths = mask.sum(dim=-1).clamp_min(1).to(token_log_ratio.dtype)
         seq_log_ratio = token_log_ratio.sum(dim=-1) / lengths  # log s_i, gradient through π_θ
         advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
-        clip = clipped_surrogate(seq_log_ratio[:, None], advantages[:, None], 1.0 - self.clip_low,
-                                 1.0 + self.clip_high, None, self.max_log_ratio)
+        clip = clipped_surrogate(
+            seq_log_ratio[:, None],
+            advantages[:, None],
+            1.0 - self.clip_low,
+            1.0 + self.clip_high,
+            None,
+            self.max_log_ratio,
+        )
         token_loss = clip.token_loss.expand(mask.shape)  # loss_i on each of its tokens
         loss = self.aggregate(token_loss, mask, batch.num_units)
         clipped_seq = clip.is_clipped[:, 0] & batch.valid & mask.any(dim=-1)
         present = (batch.valid & mask.any(dim=-1)).sum().clamp_min(1)
         seq_ratio = seq_log_ratio.detach().clamp(-self.max_log_ratio, self.max_log_ratio).exp()
-        metrics = {"gspo/seq_clip_frac": clipped_seq.sum().float() / present.float(),
-                   "gspo/seq_ratio_mean": _masked_seq_mean(seq_ratio, batch.valid)}
+        metrics = {
+            "gspo/seq_clip_frac": clipped_seq.sum().float() / present.float(),
+            "gspo/seq_ratio_mean": _masked_seq_mean(seq_ratio, batch.valid),
+        }
         return Surrogate(loss, advantages, clipped=clipped_seq[:, None] & mask, metrics=metrics)
 
 
@@ -333,8 +346,10 @@ class CISPO(ObjectiveBase):
     loss_t = −sg[clip(r_t, 1 − ε_low, 1 + ε_high)] · A_i · log π_θ(y_t), r_t = π_θ(y_t)/ν(y_t) with ν = μ
     (`ratio_to='behavior'`) or π_old ('proximal'), GRPO's A_i, token-mean aggregation (as MiniMax-M1).
     Unlike the PPO clip, a token outside the range is not dropped: its weight is held at the bound
-    (`pg/clip_frac` counts those tokens). clip_low: ε_low, default 1.0 — a lower bound of 0, i.e. none,
-    as M1 ran it; clip_high: ε_high (default 0.28). Reference: MiniMax 2025, "MiniMax-M1: Scaling
+    (`pg/clip_frac` counts those tokens; `cispo/weight_mean` is the mean weight). clip_low: ε_low, default
+    1.0 — a lower bound of 0, i.e. none (r > 0): M1 imposed no lower bound "by setting ε_low to a large
+    value" and tuned only ε_high. clip_high: ε_high, default 0.28 (DAPO's clip-higher, the usual CISPO
+    default; M1's own tuned value is not used here). Reference: MiniMax 2025, "MiniMax-M1: Scaling
     Test-Time Compute Efficiently with Lightning Attention" (arXiv:2506.13585), §3.1.
     """
 
@@ -344,12 +359,13 @@ class CISPO(ObjectiveBase):
     ratio_to: str = "behavior"
 
     def _check_options(self) -> list[str]:
-        return _check_ratio_options(self.ratio_to, self.clip_low, self.clip_high, low_max=1.0)
+        return _check_ratio_options(self.ratio_to, self.clip_low, self.clip_high, allow_zero_bound=True)
 
     def _surrogate(self, batch: PreparedBatch) -> Surrogate:
         mask = batch.loss_mask
         log_ratio = (batch.logprobs.detach() - _ratio_denominator(batch, self.ratio_to)).clamp(
-            -self.max_log_ratio, self.max_log_ratio)
+            -self.max_log_ratio, self.max_log_ratio
+        )
         ratio = torch.where(mask, log_ratio.exp(), torch.zeros_like(log_ratio))
         lower, upper = 1.0 - self.clip_low, 1.0 + self.clip_high
         weights = ratio.clamp(lower, upper)  # detached: the IS weight changes the measure, not the loss
