@@ -410,16 +410,18 @@ class StalenessBenchConfig(StrictModel):
     """Prompts per step."""
     group_size: int = Field(8, ge=2)
     """Samples per prompt."""
-    task: Literal["count", "alphabet", "addition"] = "count"
-    """The verifiable task (learner/staleness_tasks.py): 'count' — "17-41" → "17 18 … 41", long variable
-    answers, held-out evaluation prompts (the paper preset); 'addition' — "a+b=" → the sum, 1–2 answer
-    tokens (the tiny preset)."""
+    task: Literal["count", "alphabet", "alphabet_cyclic", "addition"] = "count"
+    """The verifiable task (learner/staleness_tasks.py): 'alphabet_cyclic' — "x-c" → "x, y, z, a, b, c"
+    (the paper preset), 'alphabet' — the same without the wrap, 'count' — "17-41" → "17 18 … 41": long
+    variable answers, held-out evaluation prompts; 'addition' — "a+b=" → the sum, 1–2 answer tokens
+    (the tiny preset)."""
     max_operand: int = Field(4, ge=1, le=99)
     """addition: a, b in 0..max_operand."""
     count_min: int = Field(4, ge=1, le=90)
     """count / alphabet: fewest numbers (letters) in an answer, 3 tokens each."""
     count_max: int = Field(22, ge=1, le=90)
-    """count / alphabet: most numbers (letters) in an answer (alphabet: at most 26)."""
+    """count / alphabet: most numbers (letters) in an answer (alphabet: at most 26, so a range names one
+    answer)."""
     eval_fraction: float = Field(0.2, gt=0, lt=1)
     """count: share of the (start, count) pairs held out for evaluation (never trained on)."""
     split_seed: int = 0
@@ -480,6 +482,9 @@ class StalenessBenchConfig(StrictModel):
         if self.count_min > self.count_max:
             raise ValueError(f"count_min={self.count_min} > count_max={self.count_max}; "
                              "make count_min ≤ count_max")
+        if self.task.startswith("alphabet") and self.count_max > 26:
+            raise ValueError(f"count_max={self.count_max}: an alphabet range holds at most 26 letters; "
+                             "make count_max ≤ 26")
         if self.mode == "lr_sweep" and self.cap_method not in names:
             raise ValueError(f"cap_method={self.cap_method!r} is not a method name; valid: {names}")
         return self

@@ -78,9 +78,32 @@ Job = tuple[StalenessMethodConfig, int, int, str]
 
 
 def prepare(bench: StalenessBenchConfig, root: Path) -> tuple[Path, Path]:
-    """The task file (its dataset written beside it) and the pre-taught policy (cached by settings)."""
+    """The task file (its dataset written beside it) and the pre-taught policy (cached by settings).
+
+    The policy is kept in `results_dir` too (`policy-<fingerprint>/`, ~2 MB) and taken from there when
+    it is present: pre-teaching is deterministic on one software stack, but another torch/transformers
+    release initialises or trains differently (one session's recipe stopped at step 900 with success
+    0.36, the next one's at step 400 with 0.31), and stored runs are only comparable on one policy."""
     root.mkdir(parents=True, exist_ok=True)
-    return staleness_tasks.task_file(bench, root), staleness_tasks.pretrained_policy(bench, root)
+    name = f"policy-{staleness_tasks.policy_fingerprint(bench)}"
+    kept, model_dir = results_dir(bench) / name, root / staleness_tasks.policy_dir_name(bench)
+    if (kept / "config.json").is_file() and not (model_dir / "config.json").is_file():
+        tmp = model_dir.with_name(model_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(kept, tmp)
+        os.replace(tmp, model_dir)
+    model_dir = staleness_tasks.pretrained_policy(bench, root)
+    if not (kept / "config.json").is_file():
+        tmp = kept.with_name(f".{name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(model_dir, tmp)
+        os.replace(tmp, kept)
+    return staleness_tasks.task_file(bench, root), model_dir
+
+
+def policy_digest(model_dir: Path) -> str:
+    """The pre-taught policy's weights, hashed: a stored run is reused only on the very same policy."""
+    return hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()[:12]
 
 
 def success_probability(model_dir: Path, bench: StalenessBenchConfig) -> float:
@@ -222,11 +245,13 @@ def _run_name(method: StalenessMethodConfig, lag: int, seed: int, numerics: str)
     return f"{method.name}-lr{method.lr:g}-k{lag}-s{seed}-{numerics}"
 
 
-def run_key(bench: StalenessBenchConfig, job: Job) -> str:
-    """Everything that decides a run's outcome, hashed: the policy and task, the run's shape, the
-    method's algo and lr, k, the seed and the numerics."""
+def run_key(bench: StalenessBenchConfig, job: Job, weights: str) -> str:
+    """Everything that decides a run's outcome, hashed: the policy (its recipe and its weights'
+    digest, `policy_digest`) and task, the run's shape, the method's algo and lr, k, the seed and the
+    numerics."""
     method, lag, seed, numerics = job
-    decided_by = {"policy": staleness_tasks.policy_fingerprint(bench), "steps": bench.steps,
+    decided_by = {"policy": staleness_tasks.policy_fingerprint(bench), "weights": weights,
+                  "steps": bench.steps,
                   "groups_per_step": bench.groups_per_step, "group_size": bench.group_size,
                   "algo": method.algo, "lr": method.lr, "lag": lag, "seed": seed, "numerics": numerics}
     digest = hashlib.sha256(json.dumps(decided_by, sort_keys=True).encode()).hexdigest()[:12]
@@ -279,8 +304,9 @@ def _run_jobs(bench: StalenessBenchConfig, jobs: list[Job], model_dir: Path, tas
     """Every job's row: a stored one where it exists, else a fresh run (stored when it finishes)."""
     rows: list[dict[str, Any]] = []
     todo = []
+    weights = policy_digest(model_dir)
     for job in jobs:
-        stored = _stored(results_dir(bench), run_key(bench, job))
+        stored = _stored(results_dir(bench), run_key(bench, job, weights))
         if stored is not None:
             rows.append({**stored, "reused": True})
         else:
@@ -297,7 +323,7 @@ def _run_jobs(bench: StalenessBenchConfig, jobs: list[Job], model_dir: Path, tas
             method, lag, seed, numerics = futures[future]
             try:
                 row = future.result()
-                _store(results_dir(bench), run_key(bench, (method, lag, seed, numerics)), row)
+                _store(results_dir(bench), run_key(bench, (method, lag, seed, numerics), weights), row)
             except Exception as exc:  # one broken run keeps its row with the error, the rest go on
                 row = {"method": method.name, "lag": lag, "seed": seed, "numerics": numerics, "lr": method.lr,
                        "error": f"{type(exc).__name__}: {exc}"}

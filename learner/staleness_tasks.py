@@ -3,11 +3,16 @@
 * `addition` (the `tiny` preset, configs/bench/staleness_tiny.yaml): "a+b=" → the sum, 1–2 answer
   tokens. A sequence weight there is a token weight, and every trajectory's gradient norm is about
   the same, so OPOB's norm term has nothing to do: a CI smoke, not a test of VCPO.
-* `alphabet` (the paper-like preset, configs/bench/staleness.yaml, the default): "d-k" →
+* `alphabet`: "d-k" →
   "d, e, f, g, h, i, j, k", every letter of the range. Answers are long and variable (3 tokens per
   letter), so a sequence's IS weight is a product of many per-token ratios that drift a little with
   every policy update — the regime of LLM RL, where ESS falls with the lag because small token drifts
   accumulate. Reward 1 for the exact sequence.
+* `alphabet_cyclic` (the paper-like preset, configs/bench/staleness.yaml, the default): the same with
+  the alphabet read as a circle, "x-c" → "x, y, z, a, b, c", so every length has all 26 starts.
+  Without the wrap a length-n range has 27 − n starts, the answers skew short, and 5–22 letters gave
+  a median answer of exactly 32 tokens — the target's edge (sampled medians of 29–32 in two sessions);
+  with it 5–22 letters are uniform: median 41, p10 17, p90 62 tokens.
 * `count`: "17-41" → "17 18 19 … 41", the same shape with two-digit numbers; harder to pre-teach
   (0.06–0.09 success after 1500–3000 steps on this machine, against 0.36 after 900 for `alphabet`).
 
@@ -56,6 +61,9 @@ def problems(bench: StalenessBenchConfig) -> tuple[list[Problem], list[Problem]]
     if bench.task == "alphabet":
         return _split(bench, [(start, count) for count in range(bench.count_min, bench.count_max + 1)
                               for start in range(26 - count + 1)], _alphabet_problem)
+    if bench.task == "alphabet_cyclic":
+        return _split(bench, [(start, count) for count in range(bench.count_min, bench.count_max + 1)
+                              for start in range(26)], _alphabet_problem)
     pairs = [(start, count) for count in range(bench.count_min, bench.count_max + 1)
              for start in range(COUNT_START, 100 - count + 1)]
     random.Random(bench.split_seed).shuffle(pairs)
@@ -66,7 +74,7 @@ def problems(bench: StalenessBenchConfig) -> tuple[list[Problem], list[Problem]]
 
 
 def _alphabet_problem(start: int, count: int) -> Problem:
-    letters = [chr(ord("a") + i) for i in range(start, start + count)]
+    letters = [chr(ord("a") + i % 26) for i in range(start, start + count)]  # wraps past "z"
     return Problem(f"{letters[0]}-{letters[-1]}", ", ".join(letters))
 
 
@@ -87,7 +95,7 @@ def task_file(bench: StalenessBenchConfig, root: Path) -> Path:
     (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     if bench.task == "addition":
         pattern, new_tokens = r"\A(\d+)\Z", 4
-    elif bench.task == "alphabet":
+    elif bench.task in ("alphabet", "alphabet_cyclic"):
         pattern, new_tokens = r"\A([a-z](?:, [a-z])*)\Z", 3 * bench.count_max + 4
     else:
         pattern, new_tokens = r"\A(\d+(?: \d+)*)\Z", 3 * bench.count_max + 4
@@ -174,9 +182,14 @@ def success_probability(model_dir: Path, bench: StalenessBenchConfig) -> float:
     return success_of(model, answer_batch(bench, problems(bench)[1]))
 
 
+def policy_dir_name(bench: StalenessBenchConfig) -> str:
+    """The pre-taught policy's directory name under a run root."""
+    return f"policy0-{policy_fingerprint(bench)}"
+
+
 def pretrained_policy(bench: StalenessBenchConfig, root: Path) -> Path:
     """The pre-taught policy's HF directory under `root` (built once per fingerprint, atomically)."""
-    model_dir = root / f"policy0-{policy_fingerprint(bench)}"
+    model_dir = root / policy_dir_name(bench)
     if (model_dir / "config.json").is_file():
         return model_dir
     from rollout.tiny import TinyModelSpec, make_tiny_model_dir, teach_tiny_model

@@ -13,7 +13,15 @@ import pytest
 import yaml
 
 from configs.schema import StalenessBenchConfig
-from learner.bench_staleness import choose_lrs, run_staleness_bench, summarize_curves
+from learner import staleness_tasks
+from learner.bench_staleness import (
+    choose_lrs,
+    policy_digest,
+    prepare,
+    run_key,
+    run_staleness_bench,
+    summarize_curves,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,7 +115,7 @@ def test_the_paper_preset_reports_regime_diagnostics_bf16_numerics_and_resumes(t
     bench = StalenessBenchConfig.model_validate(raw)
     result = run_staleness_bench(bench)
     properties = result["properties"]
-    assert properties["task"] == "alphabet" and properties["held_out_eval"]
+    assert properties["task"] == "alphabet_cyclic" and properties["held_out_eval"]
     assert properties["train_prompts"] > properties["eval_prompts"] > 0
     assert set(properties["sampled_response_tokens"]) == {"samples", "median", "p10", "p90", "success_rate"}
     assert properties["targets_met"]["B >= 64 in groups >= 8"] is False  # reported as measured, not assumed
@@ -130,6 +138,17 @@ def test_the_paper_preset_reports_regime_diagnostics_bf16_numerics_and_resumes(t
     # an interrupted or repeated matrix reuses every stored run instead of training again
     again = run_staleness_bench(bench)
     assert all(r.get("reused") for r in again["runs"]) and len(again["runs"]) == len(result["runs"])
+    # a fresh run root (another machine, a new clone) takes the policy kept beside the stored runs and so
+    # reuses them; runs stored on another policy's weights are not taken for this one's
+    kept = tmp_path / "paper" / "results" / f"policy-{staleness_tasks.policy_fingerprint(bench)}"
+    assert (kept / "model.safetensors").is_file()
+    elsewhere = bench.model_copy(update={"run_root": str(tmp_path / "clone"),
+                                         "results_dir": str(tmp_path / "paper" / "results")})
+    _task, model_dir = prepare(elsewhere, tmp_path / "clone")
+    assert policy_digest(model_dir) == policy_digest(kept)
+    job = (bench.methods[0], 0, 0, "matched")
+    assert run_key(bench, job, policy_digest(kept)) != run_key(bench, job, "another-policy")
+    assert all(r.get("reused") for r in run_staleness_bench(elsewhere)["runs"])
 
 
 def test_the_lr_cap_stops_below_the_first_lr_that_loses_ess_or_collapses(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -21,7 +22,7 @@ def _bench(**changes: object) -> StalenessBenchConfig:
 
 
 def test_count_and_alphabet_problems_are_split_into_disjoint_train_and_evaluation_prompts() -> None:
-    for task in ("count", "alphabet"):
+    for task in ("count", "alphabet", "alphabet_cyclic"):
         train, held_out = staleness_tasks.problems(_bench(task=task, count_max=6))
         assert train and held_out and not {p.prompt for p in train} & {p.prompt for p in held_out}
     train, _ = staleness_tasks.problems(_bench(count_min=3, count_max=3))
@@ -31,6 +32,19 @@ def test_count_and_alphabet_problems_are_split_into_disjoint_train_and_evaluatio
     letters, _ = staleness_tasks.problems(_bench(task="alphabet", count_min=3, count_max=3))
     assert all(len(p.answer) == len("a, b, c") and p.prompt == f"{p.answer[0]}-{p.answer[-1]}"
                for p in letters)
+
+
+def test_the_cyclic_alphabet_wraps_past_z_and_gives_every_length_all_26_starts() -> None:
+    train, held_out = staleness_tasks.problems(_bench(task="alphabet_cyclic", count_min=3, count_max=5))
+    every = {p.prompt: p.answer for p in train + held_out}
+    assert len(every) == 3 * 26 and every["y-a"] == "y, z, a" and every["x-b"] == "x, y, z, a, b"
+    lengths = sorted(len(answer) for answer in every.values())
+    assert lengths.count(len("a, b, c")) == lengths.count(len("a, b, c, d, e")) == 26
+
+
+def test_an_alphabet_range_longer_than_the_alphabet_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"count_max=27.*at most 26 letters"):
+        _bench(task="alphabet_cyclic", count_min=5, count_max=27)
 
 
 def test_the_compact_template_renders_the_prompt_and_an_arrow() -> None:
