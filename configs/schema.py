@@ -410,11 +410,12 @@ class StalenessBenchConfig(StrictModel):
     """Prompts per step."""
     group_size: int = Field(8, ge=2)
     """Samples per prompt."""
-    task: Literal["count", "alphabet", "alphabet_cyclic", "addition"] = "count"
-    """The verifiable task (learner/staleness_tasks.py): 'alphabet_cyclic' — "x-c" → "x, y, z, a, b, c"
-    (the paper preset), 'alphabet' — the same without the wrap, 'count' — "17-41" → "17 18 … 41": long
-    variable answers, held-out evaluation prompts; 'addition' — "a+b=" → the sum, 1–2 answer tokens
-    (the tiny preset)."""
+    task: Literal["count", "alphabet", "addition"] = "count"
+    """The verifiable task (learner/staleness_tasks.py): 'alphabet' — "d-g" → "d, e, f, g" (the paper
+    preset, with `separator`), 'count' — "17-41" → "17 18 … 41": long variable answers, held-out
+    evaluation prompts; 'addition' — "a+b=" → the sum, 1–2 answer tokens (the tiny preset)."""
+    separator: str = Field(", ", min_length=1, max_length=4, pattern=r"^[^a-z]+$")
+    """alphabet: what stands between two letters of an answer (1 byte-level token per character)."""
     max_operand: int = Field(4, ge=1, le=99)
     """addition: a, b in 0..max_operand."""
     count_min: int = Field(4, ge=1, le=90)
@@ -482,7 +483,7 @@ class StalenessBenchConfig(StrictModel):
         if self.count_min > self.count_max:
             raise ValueError(f"count_min={self.count_min} > count_max={self.count_max}; "
                              "make count_min ≤ count_max")
-        if self.task.startswith("alphabet") and self.count_max > 26:
+        if self.task == "alphabet" and self.count_max > 26:
             raise ValueError(f"count_max={self.count_max}: an alphabet range holds at most 26 letters; "
                              "make count_max ≤ 26")
         if self.mode == "lr_sweep" and self.cap_method not in names:

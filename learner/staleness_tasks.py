@@ -3,16 +3,12 @@
 * `addition` (the `tiny` preset, configs/bench/staleness_tiny.yaml): "a+b=" → the sum, 1–2 answer
   tokens. A sequence weight there is a token weight, and every trajectory's gradient norm is about
   the same, so OPOB's norm term has nothing to do: a CI smoke, not a test of VCPO.
-* `alphabet`: "d-k" →
-  "d, e, f, g, h, i, j, k", every letter of the range. Answers are long and variable (3 tokens per
-  letter), so a sequence's IS weight is a product of many per-token ratios that drift a little with
+* `alphabet` (the paper-like preset, configs/bench/staleness.yaml, the default): "d-k" →
+  "d > e > f > g > h > i > j > k" (the preset's `separator: " > "`; default ", "), every letter of the
+  range. Answers are long and variable (1 + len(separator) tokens per letter), so a sequence's IS
+  weight is a product of many per-token ratios that drift a little with
   every policy update — the regime of LLM RL, where ESS falls with the lag because small token drifts
   accumulate. Reward 1 for the exact sequence.
-* `alphabet_cyclic` (the paper-like preset, configs/bench/staleness.yaml, the default): the same with
-  the alphabet read as a circle, "x-c" → "x, y, z, a, b, c", so every length has all 26 starts.
-  Without the wrap a length-n range has 27 − n starts, the answers skew short, and 5–22 letters gave
-  a median answer of exactly 32 tokens — the target's edge (sampled medians of 29–32 in two sessions);
-  with it 5–22 letters are uniform: median 41, p10 17, p90 62 tokens.
 * `count`: "17-41" → "17 18 19 … 41", the same shape with two-digit numbers; harder to pre-teach
   (0.06–0.09 success after 1500–3000 steps on this machine, against 0.36 after 900 for `alphabet`).
 
@@ -30,6 +26,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,10 +57,8 @@ def problems(bench: StalenessBenchConfig) -> tuple[list[Problem], list[Problem]]
         return every, every
     if bench.task == "alphabet":
         return _split(bench, [(start, count) for count in range(bench.count_min, bench.count_max + 1)
-                              for start in range(26 - count + 1)], _alphabet_problem)
-    if bench.task == "alphabet_cyclic":
-        return _split(bench, [(start, count) for count in range(bench.count_min, bench.count_max + 1)
-                              for start in range(26)], _alphabet_problem)
+                              for start in range(26 - count + 1)],
+                      lambda start, count: _alphabet_problem(start, count, bench.separator))
     pairs = [(start, count) for count in range(bench.count_min, bench.count_max + 1)
              for start in range(COUNT_START, 100 - count + 1)]
     random.Random(bench.split_seed).shuffle(pairs)
@@ -73,9 +68,9 @@ def problems(bench: StalenessBenchConfig) -> tuple[list[Problem], list[Problem]]
     return as_problems[held_out:], as_problems[:held_out]
 
 
-def _alphabet_problem(start: int, count: int) -> Problem:
-    letters = [chr(ord("a") + i % 26) for i in range(start, start + count)]  # wraps past "z"
-    return Problem(f"{letters[0]}-{letters[-1]}", ", ".join(letters))
+def _alphabet_problem(start: int, count: int, separator: str) -> Problem:
+    letters = [chr(ord("a") + i) for i in range(start, start + count)]
+    return Problem(f"{letters[0]}-{letters[-1]}", separator.join(letters))
 
 
 def _split(bench: StalenessBenchConfig, pairs: list[tuple[int, int]],
@@ -95,8 +90,10 @@ def task_file(bench: StalenessBenchConfig, root: Path) -> Path:
     (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     if bench.task == "addition":
         pattern, new_tokens = r"\A(\d+)\Z", 4
-    elif bench.task in ("alphabet", "alphabet_cyclic"):
-        pattern, new_tokens = r"\A([a-z](?:, [a-z])*)\Z", 3 * bench.count_max + 4
+    elif bench.task == "alphabet":
+        per_letter = 1 + len(bench.separator)
+        pattern = rf"\A([a-z](?:{re.escape(bench.separator)}[a-z])*)\Z"
+        new_tokens = per_letter * bench.count_max + 4
     else:
         pattern, new_tokens = r"\A(\d+(?: \d+)*)\Z", 3 * bench.count_max + 4
     task = {
@@ -125,6 +122,7 @@ def policy_fingerprint(bench: StalenessBenchConfig) -> str:
               "pretrain_success", "pretrain_steps", "pretrain_lr", "pretrain_batch", "hidden_size",
               "num_layers", "intermediate_size")
     recipe = 1 if bench.task == "addition" else POLICY_RECIPE  # the tiny preset's policy is unchanged
+    fields += ("separator",) if bench.task == "alphabet" else ()
     text = json.dumps({"recipe": recipe, **{name: getattr(bench, name) for name in fields}}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -220,6 +218,7 @@ def _teaching_key(bench: StalenessBenchConfig) -> str:
     """What the pre-teaching trajectory depends on — not where it stops (steps, success target)."""
     fields = ("task", "count_min", "count_max", "eval_fraction", "split_seed", "pretrain_lr",
               "pretrain_batch", "hidden_size", "num_layers", "intermediate_size")
+    fields += ("separator",) if bench.task == "alphabet" else ()
     text = json.dumps({"recipe": POLICY_RECIPE, **{name: getattr(bench, name) for name in fields}},
                       sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
@@ -291,7 +290,8 @@ def sampled_lengths(model_dir: Path, bench: StalenessBenchConfig, prompts: int =
     lengths, correct = [], 0
     torch.manual_seed(seed)
     tokenizer = _tokenizer(bench)
-    budget = 4 if bench.task == "addition" else 3 * bench.count_max + 4
+    per_item = 1 + len(bench.separator) if bench.task == "alphabet" else 3
+    budget = 4 if bench.task == "addition" else per_item * bench.count_max + 4
     for problem, (prompt, _) in zip(chosen, _examples(bench, chosen), strict=True):
         ids = torch.tensor([prompt] * samples)
         with torch.no_grad():

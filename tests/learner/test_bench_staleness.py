@@ -115,7 +115,7 @@ def test_the_paper_preset_reports_regime_diagnostics_bf16_numerics_and_resumes(t
     bench = StalenessBenchConfig.model_validate(raw)
     result = run_staleness_bench(bench)
     properties = result["properties"]
-    assert properties["task"] == "alphabet_cyclic" and properties["held_out_eval"]
+    assert properties["task"] == "alphabet" and properties["held_out_eval"]
     assert properties["train_prompts"] > properties["eval_prompts"] > 0
     assert set(properties["sampled_response_tokens"]) == {"samples", "median", "p10", "p90", "success_rate"}
     assert properties["targets_met"]["B >= 64 in groups >= 8"] is False  # reported as measured, not assumed

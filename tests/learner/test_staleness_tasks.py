@@ -3,10 +3,12 @@ compact chat template, and pre-teaching that resumes exactly where an interrupte
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from configs.schema import StalenessBenchConfig
@@ -22,7 +24,7 @@ def _bench(**changes: object) -> StalenessBenchConfig:
 
 
 def test_count_and_alphabet_problems_are_split_into_disjoint_train_and_evaluation_prompts() -> None:
-    for task in ("count", "alphabet", "alphabet_cyclic"):
+    for task in ("count", "alphabet"):
         train, held_out = staleness_tasks.problems(_bench(task=task, count_max=6))
         assert train and held_out and not {p.prompt for p in train} & {p.prompt for p in held_out}
     train, _ = staleness_tasks.problems(_bench(count_min=3, count_max=3))
@@ -34,17 +36,24 @@ def test_count_and_alphabet_problems_are_split_into_disjoint_train_and_evaluatio
                for p in letters)
 
 
-def test_the_cyclic_alphabet_wraps_past_z_and_gives_every_length_all_26_starts() -> None:
-    train, held_out = staleness_tasks.problems(_bench(task="alphabet_cyclic", count_min=3, count_max=5))
-    every = {p.prompt: p.answer for p in train + held_out}
-    assert len(every) == 3 * 26 and every["y-a"] == "y, z, a" and every["x-b"] == "x, y, z, a, b"
-    lengths = sorted(len(answer) for answer in every.values())
-    assert lengths.count(len("a, b, c")) == lengths.count(len("a, b, c, d, e")) == 26
+def test_the_alphabet_separator_shapes_answers_pattern_and_policy_key(tmp_path: Path) -> None:
+    arrows = _bench(task="alphabet", count_min=3, count_max=3, separator=" > ")
+    train, held_out = staleness_tasks.problems(arrows)
+    assert {p.answer for p in train + held_out} == {
+        " > ".join(chr(ord("a") + i) for i in range(start, start + 3)) for start in range(24)}
+    task = yaml.safe_load(staleness_tasks.task_file(arrows, tmp_path).read_text())
+    pattern = re.compile(task["answer"]["pattern"])
+    assert pattern.match("d > e > f") and not pattern.match("d, e, f")
+    assert task["loop"]["max_new_tokens_per_turn"] == 4 * 3 + 4  # 1 + len(" > ") tokens per letter
+    commas = _bench(task="alphabet", count_min=3, count_max=3)
+    assert staleness_tasks.policy_fingerprint(arrows) != staleness_tasks.policy_fingerprint(commas)
+    with pytest.raises(ValueError, match="separator"):
+        _bench(task="alphabet", separator="x")  # a letter would make the answer ambiguous
 
 
 def test_an_alphabet_range_longer_than_the_alphabet_is_refused() -> None:
     with pytest.raises(ValueError, match=r"count_max=27.*at most 26 letters"):
-        _bench(task="alphabet_cyclic", count_min=5, count_max=27)
+        _bench(task="alphabet", count_min=5, count_max=27)
 
 
 def test_the_compact_template_renders_the_prompt_and_an_arrow() -> None:
