@@ -123,7 +123,14 @@ async def evaluate(
             finished.append(record)
             on_sample(record)
 
-        await asyncio.gather(*(one(sample, index) for sample, index in todo))
+        tasks = [asyncio.ensure_future(one(sample, index)) for sample, index in todo]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:  # one failed (e.g. the server refused): stop the rest before the file closes
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
     return summary_of(finished, {s.sample_id for s in samples}, k)
 
 

@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from agent_env.rewards import RewardConfigError
     from configs.loader import ConfigError
     from learner.checkpointing import CheckpointWriteError
-    from rollout.errors import EngineUnavailable
+    from rollout.errors import EngineError, EngineUnavailable
     from rollout.models import ModelLoadError
     from tools.base import ToolConfigError, ToolUnavailableError
 
@@ -46,8 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    ToolUnavailableError, EngineUnavailable, CheckpointWriteError)
     try:
         return int(args.handler(args) or 0)
-    except user_errors as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (*user_errors, EngineError) as exc:
+        # a server's HTTP error answer (any status) is the user's to fix: one line, no traceback
+        http = getattr(exc, "http", None)
+        if http is None and not isinstance(exc, user_errors):
+            raise
+        print(f"error: {http or exc}", file=sys.stderr)
         return 2
 
 
@@ -113,15 +117,23 @@ def _build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="evaluate a model on a task (avg@k, pass@k, maj@k)")
     evaluate.add_argument("task", type=Path, help="task YAML, e.g. configs/tasks/gsm8k.yaml")
     evaluate.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the task")
-    evaluate.add_argument("--model", default="default", help="model spec: 'default', a directory or a hub id")
+    evaluate.add_argument("--model", default="default",
+                          help="model spec: 'default', a local HF directory or a hub id. hf/vllm/auto: the "
+                               "model evaluated. openai: only where the tokenizer comes from (it must be "
+                               "the served model's); the name sent to the server is --served-model")
     evaluate.add_argument("--backend", default="auto", choices=["auto", "hf", "vllm", "openai"],
                           help="engine backend (openai = any OpenAI-compatible server, see --url)")
-    evaluate.add_argument("--url", default=None, help="base URL of an OpenAI-compatible server")
+    evaluate.add_argument("--url", default=None,
+                          help="openai: the server's API root, e.g. http://127.0.0.1:8000/v1")
+    evaluate.add_argument("--served-model", default=None, metavar="NAME",
+                          help="openai: the model name sent in requests (vLLM's --served-model-name). "
+                               "Default: from the server's URL/models, its only model or the id equal "
+                               "to --model")
     evaluate.add_argument("--k", type=int, default=None,
                           help="samples per problem (default: the task's eval.k)")
     evaluate.add_argument("--limit", type=int, default=None, help="first N problems (default: the task's)")
     evaluate.add_argument("--out", type=Path, default=None,
-                          help="samples JSONL (default: evals/<task>-<model>.jsonl)")
+                          help="samples JSONL (default: evals/<task>-<model>.jsonl; openai: the served name)")
     evaluate.add_argument("--seed", type=int, default=0, help="sampling seed")
     evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
     evaluate.set_defaults(handler=_eval)

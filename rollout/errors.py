@@ -9,14 +9,34 @@ answer in time, was handed an impossible request, or cannot do what was asked.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HTTPFailure:
+    """A server's HTTP error answer: `str()` is one line for a user (method, URL, status, and the
+    server's own message — the JSON body's error message when there is one)."""
+
+    method: str
+    url: str
+    status: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.url} answered HTTP {self.status}: {self.message or '(empty body)'}"
+
 
 class EngineError(RuntimeError):
     """Base of every engine failure. `engine` names the backend; `engine_message` is what the
-    engine itself said (exception text, HTTP body), kept verbatim for logs."""
+    engine itself said (exception text, HTTP body), kept verbatim for logs. `http` is set when a
+    server answered with an HTTP error status."""
 
-    def __init__(self, engine: str, message: str, engine_message: str = "") -> None:
+    def __init__(
+        self, engine: str, message: str, engine_message: str = "", *, http: HTTPFailure | None = None
+    ) -> None:
         self.engine = engine
         self.engine_message = engine_message
+        self.http = http
         detail = f" (engine said: {engine_message})" if engine_message else ""
         super().__init__(f"[{engine}] {message}{detail}")
 

@@ -4,18 +4,29 @@ and the mapping of transport failures to typed engine errors.
 Every request has a connect timeout and a total timeout, so nothing waits forever. Failures map
 as: cannot connect → EngineUnavailable; timed out → EngineTimeout; HTTP 4xx → InvalidRequest;
 HTTP 5xx → EngineOOM when the body says out-of-memory, else EngineUnavailable; a body that is not
-JSON → MalformedResponse. The server's own message is kept in `engine_message`.
+JSON → MalformedResponse. The server's own message is kept in `engine_message`; an HTTP error
+status also sets the error's `http` (an `HTTPFailure`: URL, status and the server's message on one
+line, for a user).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol
 
 import httpx
 
-from rollout.errors import EngineOOM, EngineTimeout, EngineUnavailable, InvalidRequest, MalformedResponse
+from rollout.errors import (
+    EngineOOM,
+    EngineTimeout,
+    EngineUnavailable,
+    HTTPFailure,
+    InvalidRequest,
+    MalformedResponse,
+)
 
-_PROBE_TIMEOUT_S = 30.0  # a server's health check / model list answers fast even under load
+PROBE_TIMEOUT_S = 30.0  # a server's health check / model list answers fast even under load
+_MESSAGE_CHARS = 500  # the longest server message shown to a user
 
 
 class ServerSettings(Protocol):
@@ -58,7 +69,7 @@ class JSONClient:
                      server.max_connections, headers)  # fmt: skip
         try:
             await client.get(
-                probe_path, timeout_s=max(server.connect_timeout_s, _PROBE_TIMEOUT_S), is_json=False
+                probe_path, timeout_s=max(server.connect_timeout_s, PROBE_TIMEOUT_S), is_json=False
             )
         except BaseException:
             await client.close()
@@ -101,12 +112,15 @@ class JSONClient:
                 f"{type(exc).__name__}: {exc}",
             ) from exc
         body = response.text
-        if response.status_code >= 500:
-            error = EngineOOM if "out of memory" in body.lower() else EngineUnavailable
-            raise error(self.engine, f"{where} failed with HTTP {response.status_code}", body[:2000])
         if response.status_code >= 400:
+            http = HTTPFailure(method, f"{self.base_url}{path}", response.status_code, server_message(body))
+            if response.status_code >= 500:
+                error = EngineOOM if "out of memory" in body.lower() else EngineUnavailable
+                raise error(self.engine, f"{where} failed with HTTP {response.status_code}", body[:2000],
+                            http=http)  # fmt: skip
             raise InvalidRequest(
-                self.engine, f"{where} rejected the request (HTTP {response.status_code})", body[:2000]
+                self.engine, f"{where} rejected the request (HTTP {response.status_code})", body[:2000],
+                http=http,
             )
         if not is_json:
             return body
@@ -116,6 +130,26 @@ class JSONClient:
             raise MalformedResponse(
                 self.engine, f"{where} answered with something that is not JSON", body[:2000]
             ) from exc
+
+
+def server_message(body: str) -> str:
+    """What an HTTP error body says, on one line: the JSON error message when there is one
+    (OpenAI/vLLM `{"error": {"message": …}}`, `{"message": …}`, `{"error": "…"}`, FastAPI's
+    `{"detail": …}`), else the body's text with its whitespace collapsed; cut to 500 characters."""
+    try:
+        data = json.loads(body, strict=False)  # control characters in strings too
+    except ValueError:
+        data = None
+    text = body
+    if isinstance(data, dict):
+        error = data.get("error")
+        for candidate in (error.get("message") if isinstance(error, dict) else error,
+                          data.get("message"), data.get("detail")):  # fmt: skip
+            if candidate:
+                text = candidate if isinstance(candidate, str) else json.dumps(candidate)
+                break
+    text = " ".join(text.split())
+    return text if len(text) <= _MESSAGE_CHARS else text[: _MESSAGE_CHARS - 1] + "…"
 
 
 def field(data: Any, *path: str | int, engine: str, kind: type | tuple[type, ...] = object) -> Any:

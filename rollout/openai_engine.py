@@ -10,7 +10,8 @@ to report the tempered one); otherwise results carry no logprobs.
 
 Not supported (UnsupportedOperation): load_weights, pause/resume — an evaluation server's weights
 are fixed. `abort` closes the request's connection (vLLM aborts a request whose client left).
-Every request has a connect and a total timeout.
+Every request has a connect and a total timeout. `served_model_ids` lists what a server serves
+(`GET /models`), for choosing the name to send.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout.base import InferenceEngine
 from rollout.errors import EngineUnavailable, MalformedResponse, UnsupportedOperation
-from rollout.http_client import JSONClient, field
+from rollout.http_client import PROBE_TIMEOUT_S, JSONClient, field
 from rollout.settings import OpenAIEngineSettings
 from rollout.types import (
     GenerationRequest,
@@ -193,3 +194,21 @@ class OpenAIEngine(InferenceEngine):
             self.name,
             "an OpenAI-compatible server's weights are fixed; train with the hf, vllm or sglang backend",
         )
+
+
+async def served_model_ids(
+    base_url: str, api_key: str | None = None, connect_timeout_s: float = 5.0
+) -> list[str]:
+    """The model ids an OpenAI-compatible server serves (`GET {base_url}/models`), in its order.
+
+    Raises EngineUnavailable when the server cannot be reached, an EngineError with `http` set when
+    it answers an HTTP error, MalformedResponse when the answer is not a model list.
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    client = JSONClient(OpenAIEngine.name, base_url, connect_timeout_s, PROBE_TIMEOUT_S, 1, headers)
+    try:
+        data = await client.get("/models")
+    finally:
+        await client.close()
+    models = field(data, "data", engine=OpenAIEngine.name, kind=list)
+    return [str(field(model, "id", engine=OpenAIEngine.name)) for model in models]

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -41,6 +42,40 @@ def test_summary_over_problems() -> None:
     assert summary["maj@2"] == pytest.approx(0.5)  # a: tie → "1" (right); b: "3" (wrong)
 
 
+async def test_a_failed_sample_stops_the_samples_in_flight(tmp_path: Path) -> None:
+    """When one sample fails (the server refused it), evaluate raises that error only after the
+    other samples in flight are cancelled, not leaving them running against a closing file."""
+    import asyncio
+
+    from agent_env.evaluate import evaluate
+    from agent_env.loop import EpisodeSettings
+    from agent_env.samples import Sample
+    from rollout.errors import InvalidRequest
+    from rollout.tiny import build_byte_tokenizer
+
+    class OneRefusal:  # only what the agent loop calls
+        def __init__(self) -> None:
+            self.calls, self.cancelled = 0, 0
+
+        async def generate(self, request: Any) -> Any:
+            self.calls += 1
+            if self.calls == 1:
+                raise InvalidRequest("fake", "refused")
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+
+    engine = OneRefusal()
+    with pytest.raises(InvalidRequest, match="refused"):
+        await evaluate(engine, build_byte_tokenizer(), None, system=None, user="{q}",  # type: ignore[arg-type]
+                       samples=[Sample(sample_id="a", fields={"q": "1+1"}, answer="2")],
+                       reward=lambda _text, _sample: 0.0, settings=EpisodeSettings(max_new_tokens_per_turn=4),
+                       k=3, out_path=tmp_path / "out.jsonl", meta={})
+    assert (engine.calls, engine.cancelled) == (3, 2)
+
+
 @pytest.fixture(scope="module")
 def memorised_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return memorised.make_memorised_model_dir(tmp_path_factory.mktemp("memorised-eval"))
@@ -52,13 +87,13 @@ def _eval(*args: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-def _write_memorised_task(tmp_path: Path, eval_settings: dict) -> Path:
-    """tmp_path/task.yaml: the memorised question ("6*7", answer 42) with the Python tool."""
+def _write_memorised_task(tmp_path: Path, eval_settings: dict, *, has_tool: bool = True) -> Path:
+    """tmp_path/task.yaml: the memorised question ("6*7", answer 42) with the Python tool (or none)."""
     (tmp_path / "data.jsonl").write_text(json.dumps({"question": memorised.QUESTION, "answer": "42"}) + "\n")
     task = {"name": "six-times-seven", "dataset": {"type": "file", "path": "data.jsonl"},
             "fields": {"answer": "answer", "template_fields": {"question": "question"}},
             "prompt": {"system": memorised.SYSTEM, "user": "{question}"},
-            "tool": {"type": "python", "timeout_s": 10, "warm_pool_size": 0},
+            "tool": {"type": "python", "timeout_s": 10, "warm_pool_size": 0} if has_tool else None,
             "loop": {"max_total_tokens": 400}, "reward": {"type": "math_verify"}, "eval": eval_settings}
     path = tmp_path / "task.yaml"
     path.write_text(yaml.safe_dump(task))
@@ -117,3 +152,166 @@ async def test_vcpo_eval_through_an_openai_compatible_url(tmp_path: Path, memori
     assert code == 0
     sample = json.loads(out.read_text().splitlines()[1])
     assert sample["is_correct"] and sample["tool_calls"] == 1 and len(server.calls) == 2  # two turns
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+async def test_vcpo_eval_sends_the_served_name_and_reads_the_tokenizer_from_model(
+    tmp_path: Path, memorised_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The server knows the model as 'smol' (and refuses any other name with vLLM's 404); the
+    tokenizer is a local directory the server has never heard of. `--served-model smol` works, and
+    so does leaving it out: the server's /v1/models lists one model, which is then used."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from learner.cli import main
+    from rollout.hf_engine import HFEngine
+    from tests.rollout.standin_servers import OpenAIStandin, serve
+
+    task = _write_memorised_task(tmp_path, {"temperature": 0.0})
+    tokenizer = AutoTokenizer.from_pretrained(memorised_dir)
+    monkeypatch.chdir(tmp_path)  # the default --out is evals/<task>-<served name>.jsonl under the cwd
+    async with HFEngine(memorised_dir) as engine:
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        server = OpenAIStandin(engine, tokenizer.decode, encode, served=("smol",))
+        async with serve(server.app) as url:
+            common = ["eval", str(task), "--backend", "openai", "--url", f"{url}/v1", "--model",
+                      str(memorised_dir), "--no-progress"]
+            named = await asyncio.to_thread(main, [*common, "--served-model", "smol", "--out", "named.jsonl"])
+            detected = await asyncio.to_thread(main, common)
+    assert (named, detected) == (0, 0), capsys.readouterr().err
+    assert [call["model"] for call in server.calls] == ["smol"] * 4  # two turns per run
+    for out in (tmp_path / "named.jsonl", tmp_path / "evals" / "six-times-seven-smol.jsonl"):
+        meta, sample = (json.loads(line) for line in out.read_text().splitlines())
+        assert meta["meta"]["served_model"] == "smol" and meta["meta"]["model"] == str(memorised_dir)
+        assert sample["is_correct"] and sample["tool_calls"] == 1
+    assert f"smol (tokenizer: {memorised_dir})" in capsys.readouterr().out
+
+
+def test_choose_served_model() -> None:
+    from learner.run_eval import EvalArgumentError, choose_served_model
+
+    assert choose_served_model(["smol"], "default", "http://h/v1") == "smol"  # the only one, whatever --model
+    assert choose_served_model(["a", "b"], "b", "http://h/v1") == "b"  # the one equal to --model
+    with pytest.raises(EvalArgumentError, match=r"http://h/v1/models lists no model"):
+        choose_served_model([], "b", "http://h/v1")
+
+
+async def _eval_in_process(*args: str) -> int:
+    import asyncio
+
+    from learner.cli import main
+
+    return await asyncio.to_thread(main, ["eval", *args, "--no-progress"])
+
+
+async def test_eval_with_several_served_models_and_no_match_says_to_pass_served_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fastapi import FastAPI
+
+    from tests.rollout.standin_servers import serve
+
+    task = _write_memorised_task(tmp_path, {}, has_tool=False)
+    app = FastAPI()
+    app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "smol"}, {"id": "big"}]})
+    async with serve(app) as url:
+        code = await _eval_in_process(str(task), "--backend", "openai", "--url", f"{url}/v1/",
+                                      "--model", "default", "--out", str(tmp_path / "out.jsonl"))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err == (f"error: {url}/v1/models lists 'smol', 'big', none of them is --model 'default'; pass the "
+                   "name to send as --served-model NAME\n")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+async def test_a_served_name_given_as_model_says_where_it_belongs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a user tried first: `--model smol` with smol the served name. --model is the tokenizer."""
+    from fastapi import FastAPI
+
+    from tests.rollout.standin_servers import serve
+
+    task = _write_memorised_task(tmp_path, {}, has_tool=False)
+    app = FastAPI()
+    app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "smol"}]})
+    async with serve(app) as url:
+        code = await _eval_in_process(str(task), "--backend", "openai", "--url", f"{url}/v1",
+                                      "--model", "smol")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "model 'smol' is neither a local directory nor a hub id" in err
+    assert "--model is where the tokenizer comes from" in err and "goes in --served-model" in err
+
+
+async def test_eval_against_an_unreachable_server_is_one_line_naming_the_url(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.rollout.standin_servers import free_port
+
+    task = _write_memorised_task(tmp_path, {}, has_tool=False)
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    code = await _eval_in_process(str(task), "--backend", "openai", "--url", url)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert f"GET {url}/models" in err and "ConnectError" in err
+
+
+def _refusing_server(status: int, body: dict | str) -> Any:
+    """/v1/models lists 'smol'; every completion is answered with `status` and `body`."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse
+
+    app = FastAPI()
+    app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "smol"}]})
+    answer = (JSONResponse(body, status_code=status) if isinstance(body, dict)
+              else PlainTextResponse(body, status_code=status))
+    app.post("/v1/completions")(lambda: answer)
+    return app
+
+
+async def test_a_server_404_during_eval_is_one_line_with_url_status_and_message(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Through the real command in a subprocess (so a traceback would show): the server refuses every
+    completion as vLLM does for an unknown model name; three samples are in flight."""
+    import asyncio
+
+    from tests.rollout.standin_servers import serve
+
+    task = _write_memorised_task(tmp_path, {"k": 3}, has_tool=False)
+    vllm_404 = {"error": {"message": "The model `nope` does not exist.", "type": "NotFoundError",
+                          "param": "model", "code": 404}}
+    async with serve(_refusing_server(404, vllm_404)) as url:
+        done = await asyncio.to_thread(_eval, str(task), "--backend", "openai", "--url", f"{url}/v1",
+                                       "--model", str(tiny_model_dir), "--served-model", "nope",
+                                       "--out", str(tmp_path / "out.jsonl"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (f"error: POST {url}/v1/completions answered HTTP 404: The model `nope` does not "
+                           "exist.\n")
+
+
+@pytest.mark.parametrize(("status", "body", "message"), [
+    (400, {"object": "error", "message": "This model's maximum context length is 1024 tokens.\nReduce it.",
+           "type": "BadRequestError", "code": 400},
+     "This model's maximum context length is 1024 tokens. Reduce it."),  # vLLM's older error shape
+    (422, {"detail": [{"loc": ["body", "prompt"], "msg": "Field required"}]},
+     '[{"loc": ["body", "prompt"], "msg": "Field required"}]'),  # FastAPI validation
+    (500, "Internal Server Error\n  Traceback (most recent call last):\n  boom", "Internal Server Error "
+     "Traceback (most recent call last): boom"),  # plain text, several lines
+])
+async def test_other_http_errors_during_eval_are_one_line_too(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], status: int, body: Any,
+    message: str
+) -> None:
+    from tests.rollout.standin_servers import serve
+
+    task = _write_memorised_task(tmp_path, {}, has_tool=False)
+    async with serve(_refusing_server(status, body)) as url:
+        code = await _eval_in_process(str(task), "--backend", "openai", "--url", f"{url}/v1",
+                                      "--model", str(tiny_model_dir), "--out", str(tmp_path / "out.jsonl"))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err == f"error: POST {url}/v1/completions answered HTTP {status}: {message}\n"

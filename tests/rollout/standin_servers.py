@@ -214,19 +214,32 @@ class SGLangStandin:
 
 class OpenAIStandin:
     """STAND-IN for an OpenAI-compatible /v1/completions server, backed by an HFEngine. Accepts token-id
-    prompts like vLLM does; returns logprobs.token_logprobs and (vLLM's extension) token ids when asked."""
+    prompts like vLLM does; returns logprobs.token_logprobs and (vLLM's extension) token ids when asked.
+    With `served` names it also answers GET /v1/models with them and, like vLLM, refuses a completion
+    for any other model with HTTP 404 and vLLM's error body."""
 
     def __init__(
-        self, engine: HFEngine, decode: Callable[[list[int]], str], encode: Callable[[str], list[int]]
+        self,
+        engine: HFEngine,
+        decode: Callable[[list[int]], str],
+        encode: Callable[[str], list[int]],
+        served: tuple[str, ...] | None = None,
     ) -> None:
-        self.engine, self.decode, self.encode = engine, decode, encode
+        self.engine, self.decode, self.encode, self.served = engine, decode, encode, served
         self.calls: list[dict[str, Any]] = []
         self.app = FastAPI(title="OpenAI /v1/completions STAND-IN (tests only)")
         self.app.post("/v1/completions")(self.completions)
+        if served is not None:
+            listing = {"object": "list", "data": [{"id": name, "object": "model"} for name in served]}
+            self.app.get("/v1/models")(lambda: listing)
 
     async def completions(self, request: Request) -> Any:
         body = await request.json()
         self.calls.append(body)
+        if self.served is not None and body.get("model") not in self.served:
+            message = f"The model `{body.get('model')}` does not exist."
+            return JSONResponse({"error": {"message": message, "type": "NotFoundError", "param": "model",
+                                           "code": 404}}, status_code=404)  # fmt: skip
         prompt = body["prompt"]
         ids = prompt if isinstance(prompt, list) else self.encode(prompt)
         stop = body.get("stop") or ()
