@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from configs.schema import StalenessBenchConfig
@@ -47,6 +48,7 @@ def test_the_matrix_runs_the_real_pipeline_with_exact_lags_and_writes_json_table
         assert run["steps"] == 6
         assert run["curves"]["lag"] == [float(min(lag, step)) for step in range(6)]  # saturate: exactly
         assert 0.0 <= run["final_success"] <= 1.0
+        assert run["host"]["cpu"] and run["host"]["torch"] == torch.__version__  # which kernels it ran on
         if lag == 0:
             assert run["curves"]["ess_ratio"] == [pytest.approx(1.0)] * 6  # on-policy: all weights 1
     assert runs[("vcpo", 3)]["min_ess_ratio"] < 1.0  # stale batches do carry non-trivial weights
