@@ -394,7 +394,7 @@ class StalenessMethodConfig(StrictModel):
 
 class StalenessBenchConfig(StrictModel):
     """`vcpo bench staleness`: methods × lag bounds × seeds through the real asynchronous pipeline on
-    a tiny pre-taught policy (learner/bench_staleness.py)."""
+    a tiny pre-taught policy (learner/benchmarks/staleness.py)."""
 
     methods: list[StalenessMethodConfig] = Field(min_length=1)
     """The compared methods (rows)."""
@@ -411,7 +411,8 @@ class StalenessBenchConfig(StrictModel):
     group_size: int = Field(8, ge=2)
     """Samples per prompt."""
     task: Literal["count", "alphabet", "addition"] = "count"
-    """The verifiable task (learner/staleness_tasks.py): 'alphabet' — "d-g" → "d, e, f, g" (the paper
+    """The verifiable task (learner/benchmarks/staleness_tasks.py):
+    'alphabet' — "d-g" → "d, e, f, g" (the paper
     preset, with `separator`), 'count' — "17-41" → "17 18 … 41": long variable answers, held-out
     evaluation prompts; 'addition' — "a+b=" → the sum, 1–2 answer tokens (the tiny preset)."""
     separator: str = Field(", ", min_length=1, max_length=4, pattern=r"^[^a-z]+$")
@@ -492,7 +493,8 @@ class StalenessBenchConfig(StrictModel):
 
 
 class LearnerBenchConfig(StrictModel):
-    """`vcpo bench learner` (learner/bench_learner.py): optimizer steps of each learner backend on one
+    """`vcpo bench learner` (learner/benchmarks/learner_step.py): optimizer
+    steps of each learner backend on one
     random minibatch of a random model; step time, tokens/s, peak memory, and each backend's speed
     relative to the torch learner measured in the same run."""
 
@@ -547,7 +549,8 @@ class SandboxBenchConfig(StrictModel):
 
 
 class EngineBenchConfig(StrictModel):
-    """`vcpo bench engine`: tokens/s per backend vs HF `generate`, in paired rounds (rollout/bench.py)."""
+    """`vcpo bench engine`: tokens/s per backend vs HF `generate`, in paired rounds
+    (rollout/bench/engine.py)."""
 
     model: str = "default"
     """Model spec as in model.path."""
@@ -591,7 +594,8 @@ class RolloutConfig(StrictModel):
 
 
 class MegatronConfig(StrictModel):
-    """`learner.backend: megatron` (learner/megatron_learner.py): a megatron-core GPT built from the HF
+    """`learner.backend: megatron` (learner/backends/megatron/learner.py): a
+    megatron-core GPT built from the HF
     Llama/Qwen2 checkpoint (weights in and out through mbridge), trained by the same step as the torch
     learner on a torch.distributed world of DP × tensor × pipeline × context parallel ranks (DP = world
     size / (TP × PP × CP) data-parallel replicas, each training whole groups of the minibatch)."""
@@ -643,8 +647,8 @@ class MegatronConfig(StrictModel):
 
 
 class LearnerConfig(StrictModel):
-    """The learner backend: torch (learner/torch_learner.py) or megatron-core
-    (learner/megatron_learner.py)."""
+    """The learner backend: torch (learner/backends/torch_learner.py) or megatron-core
+    (learner/backends/megatron/learner.py)."""
 
     backend: Literal["torch", "megatron"] = "torch"
     """'torch': the HF model on one device; 'megatron': megatron-core with tensor parallelism (the
@@ -672,7 +676,7 @@ class LearnerConfig(StrictModel):
 
 
 class RayConfig(StrictModel):
-    """`launcher: ray` (learner/ray_launcher.py): rollout workers, learner ranks and sandbox pools as
+    """`launcher: ray` (learner/launch/ray_launcher.py): rollout workers, learner ranks and sandbox pools as
     Ray actors wrapping the same objects as local mode; the rollout manager stays on the driver."""
 
     address: str | None = None
@@ -723,7 +727,8 @@ class RayConfig(StrictModel):
 
 
 class WarmStartConfig(StrictModel):
-    """Cold-start SFT before RL on solver-written tool episodes (learner/warm_start.py; Countdown tasks)."""
+    """Cold-start SFT before RL on solver-written tool episodes (learner/train/warm_start.py;
+    Countdown tasks)."""
 
     enabled: bool = False
     """Run the warm start (cached: a rerun with the same settings reuses the model)."""

@@ -1,33 +1,46 @@
-"""Training backends, per-trajectory gradient norms, the trainer loop, and the CLI (the composition
-root: the only place that reads config files and wires objects)."""
+"""The learner side and the composition root (the only place that reads config files and wires
+objects), in subpackages by concern, each importing only those listed before it:
+
+* `observability/` — metric names, metrics.jsonl / TensorBoard / W&B, the progress line, plot, trend
+* `forward/` — packing trajectories into rows, varlen attention, target log-probs
+* `distributed/` — data-parallel collectives, weight transport to rollout workers
+* `traj_grads/` — exact per-trajectory gradient norms and VCPO's two-buffer gradient
+* `backends/` — the torch learner and the objective mapping; `backends/megatron/` — megatron-core
+* `train/` — wiring a run, the step loop, checkpoints, warm start
+* `launch/` — one run locally or across Ray (the driver and its actors)
+* `benchmarks/` — `vcpo bench async | learner | opob | staleness`
+* `cli/` — the `vcpo` command
+
+tests/test_architecture.py enforces the direction.
+"""
 
 import importlib
 
 # Public names, resolved lazily (PEP 562) so that `import learner` — and with it `vcpo --help` —
 # does not pull in torch and transformers.
 _EXPORTS = {
-    "TrajectoryTokens": "learner.packing",
-    "PackedMicroBatch": "learner.packing",
-    "build_microbatch": "learner.packing",
-    "plan_microbatches": "learner.packing",
-    "pack_trajectories": "learner.packing",
-    "aggregation_weights": "learner.packing",
-    "token_logprobs": "learner.logprobs",
-    "packed_target_logprobs": "learner.logprobs",
-    "trajectory_logliks": "learner.logprobs",
-    "VARLEN_SDPA": "learner.varlen_attention",
-    "register_varlen_sdpa": "learner.varlen_attention",
-    "BaselineFn": "learner.opob_grad",
-    "OpobGradResult": "learner.opob_grad",
-    "accumulate_opob_grad_packed": "learner.opob_grad",
-    "accumulate_opob_grad_per_trajectory": "learner.opob_grad",
-    "UnsupportedParameterError": "learner.traj_grad_hooks",
-    "reference_opob_gradient": "learner.grad_reference",
-    "MegatronLearner": "learner.megatron_learner",
-    "init_model_parallel": "learner.megatron_learner",
-    "bench_learner": "learner.bench_learner",
-    "synthetic_microbatches": "learner.grad_bench",
-    "time_grad_paths": "learner.grad_bench",
+    "TrajectoryTokens": "learner.forward.packing",
+    "PackedMicroBatch": "learner.forward.packing",
+    "build_microbatch": "learner.forward.packing",
+    "plan_microbatches": "learner.forward.packing",
+    "pack_trajectories": "learner.forward.packing",
+    "aggregation_weights": "learner.forward.packing",
+    "token_logprobs": "learner.forward.logprobs",
+    "packed_target_logprobs": "learner.forward.logprobs",
+    "trajectory_logliks": "learner.forward.logprobs",
+    "VARLEN_SDPA": "learner.forward.varlen_attention",
+    "register_varlen_sdpa": "learner.forward.varlen_attention",
+    "BaselineFn": "learner.traj_grads.opob_grad",
+    "OpobGradResult": "learner.traj_grads.opob_grad",
+    "accumulate_opob_grad_packed": "learner.traj_grads.opob_grad",
+    "accumulate_opob_grad_per_trajectory": "learner.traj_grads.opob_grad",
+    "UnsupportedParameterError": "learner.traj_grads.hooks",
+    "reference_opob_gradient": "learner.traj_grads.reference",
+    "MegatronLearner": "learner.backends.megatron.learner",
+    "init_model_parallel": "learner.backends.megatron.learner",
+    "bench_learner": "learner.benchmarks.learner_step",
+    "synthetic_microbatches": "learner.benchmarks.grad_paths",
+    "time_grad_paths": "learner.benchmarks.grad_paths",
 }
 
 __all__ = sorted(_EXPORTS)

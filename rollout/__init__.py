@@ -2,6 +2,7 @@
 (shared by engines and learners, so it lives at the lowest layer that both may import)."""
 
 from rollout.base import InferenceEngine
+from rollout.engines.factory import build_engine, choose_backend, start_engine, vllm_unavailable_reason
 from rollout.errors import (
     EngineError,
     EngineOOM,
@@ -12,7 +13,6 @@ from rollout.errors import (
     UnsupportedOperation,
     WeightLoadError,
 )
-from rollout.factory import build_engine, choose_backend, start_engine, vllm_unavailable_reason
 from rollout.fakes import ScriptedEngine, ScriptedReply
 from rollout.settings import (
     AutoEngineSettings,

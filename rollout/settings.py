@@ -1,7 +1,7 @@
 """Engine settings: one frozen, documented pydantic model per backend, tagged on `backend`.
 
 Imports only pydantic, so settings can be validated on any machine (no torch, no vLLM). The CLI
-builds these from the run config and hands them to `rollout.factory.build_engine`; engines read
+builds these from the run config and hands them to `rollout.engines.factory.build_engine`; engines read
 nothing else (no environment variables, no config files). Where a backend needs environment
 variables (vLLM-CPU), its settings hold the values and the engine sets them at start-up.
 """
@@ -107,7 +107,7 @@ class VLLMEngineSettings(StrictFrozenModel):
 
 
 class SGLangEngineSettings(StrictFrozenModel):
-    """An adapter to a running SGLang server (see rollout.sglang_launcher to start one)."""
+    """An adapter to a running SGLang server (see rollout.engines.sglang_launcher to start one)."""
 
     backend: Literal["sglang"] = "sglang"
     """Backend name."""
@@ -141,7 +141,7 @@ class SGLangEngineSettings(StrictFrozenModel):
 
 
 class SGLangLaunchSettings(StrictFrozenModel):
-    """How rollout.sglang_launcher starts `python -m sglang.launch_server` (GPU machines)."""
+    """How rollout.engines.sglang_launcher starts `python -m sglang.launch_server` (GPU machines)."""
 
     model_path: str
     """HF model directory or hub id to serve."""

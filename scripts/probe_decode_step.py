@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout.bench_worker import memory_read_gbps
+from rollout.bench.worker import memory_read_gbps
 
 _LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down (N, K)
 _LAYERS, _LM_HEAD = 30, (49152, 576)
@@ -59,8 +59,8 @@ def gemv() -> None:
 
 
 async def step() -> None:
-    from rollout import vllm_engine
-    from rollout.bench import bench_prompts
+    from rollout.bench.engine import bench_prompts
+    from rollout.engines import vllm_engine
     from rollout.models import vcpo_cache_root
     from rollout.settings import VLLMEngineSettings
     from rollout.types import GenerationRequest, SamplingParams

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout import vllm_engine
-from rollout.bench import bench_prompts
+from rollout.bench.engine import bench_prompts
+from rollout.engines import vllm_engine
 from rollout.models import vcpo_cache_root
 from rollout.settings import VLLMEngineSettings
 from rollout.types import GenerationRequest, SamplingParams

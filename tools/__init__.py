@@ -16,13 +16,13 @@ from tools.base import (
     ToolStatus,
     ToolUnavailableError,
 )
-from tools.bench import run_sandbox_bench
 from tools.e2b import E2BTool
 from tools.fakes import EchoTool, EchoToolSettings, ScriptedTool
-from tools.local_sandbox import LocalPythonSandbox, LocalSandboxSession
 from tools.registry import BUILTIN_TOOLS, ENTRY_POINT_GROUP, build_tool, known_tools, validate_tool_settings
-from tools.sandbox_fusion_client import SandboxFusionTool
-from tools.sandbox_fusion_server import create_app, serve
+from tools.sandbox.bench import run_sandbox_bench
+from tools.sandbox.local_sandbox import LocalPythonSandbox, LocalSandboxSession
+from tools.sandbox_fusion.client import SandboxFusionTool
+from tools.sandbox_fusion.server import create_app, serve
 from tools.settings import (
     E2BSettings,
     LocalSandboxSettings,

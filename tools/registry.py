@@ -30,8 +30,8 @@ ENTRY_POINT_GROUP = "vcpo.tools"
 
 BUILTIN_TOOLS: Mapping[str, str] = MappingProxyType(
     {
-        "python": "tools.local_sandbox:LocalPythonSandbox",
-        "sandbox_fusion": "tools.sandbox_fusion_client:SandboxFusionTool",
+        "python": "tools.sandbox.local_sandbox:LocalPythonSandbox",
+        "sandbox_fusion": "tools.sandbox_fusion.client:SandboxFusionTool",
         "e2b": "tools.e2b:E2BTool",
         "echo": "tools.fakes:EchoTool",
     }

@@ -135,7 +135,7 @@ async def test_vcpo_eval_through_an_openai_compatible_url(tmp_path: Path, memori
     from transformers import AutoTokenizer
 
     from learner.cli import main
-    from rollout.hf_engine import HFEngine
+    from rollout.engines.hf_engine import HFEngine
     from tests.rollout.standin_servers import OpenAIStandin, serve
 
     _write_memorised_task(tmp_path, {"temperature": 0.0})
@@ -166,7 +166,7 @@ async def test_vcpo_eval_sends_the_served_name_and_reads_the_tokenizer_from_mode
     from transformers import AutoTokenizer
 
     from learner.cli import main
-    from rollout.hf_engine import HFEngine
+    from rollout.engines.hf_engine import HFEngine
     from tests.rollout.standin_servers import OpenAIStandin, serve
 
     task = _write_memorised_task(tmp_path, {"temperature": 0.0})
@@ -190,7 +190,7 @@ async def test_vcpo_eval_sends_the_served_name_and_reads_the_tokenizer_from_mode
 
 
 def test_choose_served_model() -> None:
-    from learner.run_eval import EvalArgumentError, choose_served_model
+    from learner.cli.eval_command import EvalArgumentError, choose_served_model
 
     assert choose_served_model(["smol"], "default", "http://h/v1") == "smol"  # the only one, whatever --model
     assert choose_served_model(["a", "b"], "b", "http://h/v1") == "b"  # the one equal to --model

@@ -13,8 +13,8 @@ from agent_env.loop import EpisodeSettings, run_episode
 from agent_env.prompts import render_messages, render_prompt_ids
 from agent_env.samples import Sample
 from agent_env.turns import decide_turn, find_boxed, format_observation, observation_body, turn_needs_more
+from rollout.engines.hf_engine import HFEngine
 from rollout.fakes import ScriptedEngine, ScriptedReply
-from rollout.hf_engine import HFEngine
 from rollout.settings import HFEngineSettings
 from rollout.tiny import build_byte_tokenizer
 from rollout.types import GenerationRequest, GenerationResult

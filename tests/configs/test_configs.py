@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from configs import schema as schema_module
 from configs.loader import ConfigError, load_config, write_resolved_config
 from configs.schema import AlgoConfig, RunConfig
-from learner.config_catalog import shipped_config_files, validate_shipped_file
+from learner.cli.config_catalog import shipped_config_files, validate_shipped_file
 from vcpo.registry import OBJECTIVES
 
 
@@ -102,7 +102,7 @@ def test_cross_field_rule_names_both_fields_and_fix() -> None:
 @pytest.mark.parametrize("kind", sorted(OBJECTIVES))
 def test_every_objective_config_default_is_the_registry_default(kind: str) -> None:
     """A run config that names only the objective type gets the objective class's own defaults."""
-    from learner.algorithm import build_objective
+    from learner.backends.algorithm import build_objective
 
     algo = AlgoConfig.model_validate({"objective": {"type": kind}, "ess_lr": {"enabled": False}})
     assert build_objective(algo) == OBJECTIVES[kind]()
@@ -159,7 +159,7 @@ def test_extends_replaces_a_tagged_section_whose_type_changes(tmp_path: Path) ->
 
 
 def test_a_broken_shipped_tool_spec_is_reported_with_its_file(tmp_path: Path) -> None:
-    from learner import config_catalog
+    from learner.cli import config_catalog
 
     folder = tmp_path / "tools"
     folder.mkdir()

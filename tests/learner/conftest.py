@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from learner.packing import TrajectoryTokens
+from learner.forward.packing import TrajectoryTokens
 
 VOCAB = 160
 _COMMON = {

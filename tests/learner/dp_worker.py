@@ -1,4 +1,5 @@
-"""torchrun worker of tests/learner/test_data_parallel.py: one torch-learner step per objective as a
+"""torchrun worker of tests/learner/distributed/test_data_parallel.py: one torch-learner
+step per objective as a
 data-parallel replica (gloo, CPU) on the parity batch of tests/learner/megatron_parity.py. Each rank
 saves to OUT.RANK: per objective, the step's metrics, the weights after the step and its own
 (partial) ‖∇ℓ_i‖² for VCPO.
@@ -12,9 +13,9 @@ import sys
 
 import torch
 
-from learner.data_parallel import join_data_parallel_from_env
-from learner.torch_learner import TorchLearner
-from learner.varlen_attention import register_varlen_sdpa
+from learner.backends.torch_learner import TorchLearner
+from learner.distributed.data_parallel import join_data_parallel_from_env
+from learner.forward.varlen_attention import register_varlen_sdpa
 from tests.learner import megatron_parity
 from tests.learner.conftest import tiny_model
 

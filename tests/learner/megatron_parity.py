@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from configs.schema import AlgoConfig, OptimConfig
-from learner.torch_learner import StepInput, TorchLearner
-from learner.varlen_attention import register_varlen_sdpa
+from learner.backends.torch_learner import StepInput, TorchLearner
+from learner.forward.varlen_attention import register_varlen_sdpa
 from rollout.trajectory import Trajectory, TrajectoryVersions
 from tests.learner.conftest import random_trajectories, tiny_model
 

@@ -1,4 +1,5 @@
-"""torchrun worker of tests/learner/test_megatron_learner.py: one megatron learner step per objective at
+"""torchrun worker of tests/learner/backends/megatron/test_megatron_learner.py: one megatron
+learner step per objective at
 tensor parallel size = world size, or with --layout=TP,PP,CP that layout (the rest of the world
 data-parallel: --layout=1,1,1 makes world-size replicas), on the CPU (gloo, the test-only CUDA shim).
 Rank 0 saves, per objective: the step's metrics, VCPO's ‖∇ℓ_i‖² (summed over the model-parallel ranks)
@@ -55,7 +56,7 @@ def main(hf_dir: str, kind: str, out: str, *flags: str) -> None:
         megatron = megatron.model_copy(update={"sequence_parallel": True,
                                                "transformer_impl": "transformer_engine"})
     with contextlib.nullcontext() if on_gpu else cuda_on_cpu():
-        from learner.megatron_learner import MegatronLearner, init_model_parallel
+        from learner.backends.megatron.learner import MegatronLearner, init_model_parallel
 
         init_model_parallel(megatron, backend="nccl" if on_gpu else "gloo")
         from transformers import AutoConfig

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from safetensors.torch import load_file
 
-from rollout.hf_engine import HFEngine
+from rollout.engines.hf_engine import HFEngine
 from rollout.types import GenerationRequest, SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import sys
 
 from safetensors.torch import save_file
 
-from rollout.weight_group import WeightGroup, receive_tensors
+from rollout.engines.weight_group import WeightGroup, receive_tensors
 
 
 def main() -> None:

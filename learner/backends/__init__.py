@@ -1,0 +1,6 @@
+"""Learner backends: the config → objective/step-size mapping (`algorithm`), the torch learner
+(`torch_learner`), and megatron-core (`megatron/`). A backend takes a minibatch of trajectories and
+makes one optimizer step; it knows nothing of engines, the training loop or Ray.
+
+May import: `learner.forward`, `learner.traj_grads`, `learner.distributed`.
+"""

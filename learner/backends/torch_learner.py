@@ -1,0 +1,422 @@
+"""The torch learner: one optimizer step per minibatch of trajectory groups (CPU or one GPU).
+
+A step (VCPO.md):
+1. pack the trajectories (no padding) into token-budget micro-batches of whole groups;
+2. proximal forward (no grad): `log π_old` of every sampled token — θ at the start of the step;
+3. gradient: VCPO accumulates `−Σ (a_i − b*_g s_i) ∇ℓ_i` with exact per-trajectory norms
+   (`learner/traj_grads/opob_grad.py`, one backward per micro-batch on the fast path); every other objective
+   runs its loss per micro-batch (whole groups, global denominator) and back-propagates it;
+4. metrics and the step size from ONE objective call on the whole minibatch with `log π = log π_old`
+   (one update per minibatch, so that is exactly the state the gradient was taken at);
+5. clip, lr = schedule(step) × rule(ESS or lag), AdamW step.
+
+Data parallel (`data_parallel`, learner/distributed/data_parallel.py):
+every rank gets the whole minibatch, trains
+its share of whole groups, and the proximal log-probs, VCPO's norms and the gradient are summed across
+ranks, so every replica takes the single-process step.
+
+What it does not do: talk to engines, read config files, or decide which trajectories to use
+(the trainer applies the task's filters by passing `is_trained`). A model-parallel backend reuses this
+step and overrides three seams — `_build_optimizer`, `_accumulate_opob` (norms summed across shards)
+and `_finish` — as `learner/backends/megatron/learner.py` does.
+Cost: one no-grad forward + one forward/backward per micro-batch (+ a reference-model forward when
+the objective needs it). Blocking: `step` is synchronous; the trainer runs it on a worker thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from configs.schema import AlgoConfig, OptimConfig
+from learner.backends.algorithm import build_lr_scale_rule, build_objective
+from learner.distributed.data_parallel import DataParallel, assign_groups
+from learner.forward.logprobs import autocast, packed_target_logprobs, packed_target_stats
+from learner.forward.packing import (
+    PackedMicroBatch,
+    TargetPadding,
+    TrajectoryTokens,
+    build_microbatch,
+    plan_microbatches,
+)
+from learner.traj_grads.opob_grad import (
+    BaselineFn,
+    accumulate_opob_grad_packed,
+    accumulate_opob_grad_per_trajectory,
+)
+from rollout.trajectory import Trajectory
+from vcpo.groups import index_groups, single_group
+from vcpo.is_weights import sequence_is_weights, truncated_is_weights
+from vcpo.objectives import PolicyLossInputs
+from vcpo.step_size import StepSizeInputs
+
+_PACKED_AGGREGATION = {"seq-mean-token-mean": "mean", "seq-mean-token-sum": "sum"}
+"""ℓ_i's token weights on VCPO's fast path for the aggregations it supports."""
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One minibatch: trajectories, their group index, lag and whether they enter the loss."""
+
+    trajectories: Sequence[Trajectory]
+    group_ids: Sequence[int]
+    lags: Sequence[int]
+    is_trained: Sequence[bool]
+    """False zeroes the trajectory's loss mask (task filters) but keeps it in its group's statistics."""
+
+
+def lr_at(optim: OptimConfig, step: int) -> float:
+    """Scheduled base lr at optimizer step `step` (0-based): linear warm-up, then constant/linear/cosine."""
+    if step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant" or optim.total_steps is None:
+        return optim.lr
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, optim.total_steps - optim.warmup_steps))
+    if optim.schedule == "linear":
+        return optim.lr * (1.0 - progress)
+    return optim.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class TorchLearner:
+    """Owns the trained model, its optimizer and the algorithm objects (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, algo: AlgoConfig, optim: OptimConfig, *, micro_batch_tokens: int,
+                 temperature: float = 1.0, autocast_dtype: torch.dtype | None = None,
+                 autocast_proximal: bool = False, data_parallel: DataParallel | None = None) -> None:
+        self.model = model.train()
+        self.data_parallel = data_parallel
+        """None: one process. Else this replica's rank among the data-parallel ones (module docstring)."""
+        self.autocast_dtype = autocast_dtype
+        """Gradient forwards under autocast in this dtype (bf16 matmuls, fp32 weights, grads and
+        optimizer); None = the weights' dtype throughout."""
+        self.autocast_proximal = autocast_proximal
+        """Also the no-grad proximal forward (log π_old: IS weights, ESS, VCPO's coefficients). Off, those
+        stay in the weights' dtype, so an fp32 engine's ratios at lag 0 stay exactly 1."""
+        self.algo, self.optim_config = algo, optim
+        self.objective = build_objective(algo)
+        self.lr_rule = build_lr_scale_rule(algo)
+        self.micro_batch_tokens = micro_batch_tokens
+        self.temperature = temperature
+        self.device = next(model.parameters()).device
+        self._check_supported()
+        self.optimizer = self._build_optimizer()
+        self.step_count = 0
+        self.reference = None
+        if self.objective.needs_ref_logprobs:  # frozen copy of the initial policy (KL / TBA)
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def _build_optimizer(self) -> Any:
+        optim = self.optim_config
+        return torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                 weight_decay=optim.weight_decay)
+
+    def _check_supported(self) -> None:
+        if self.objective.needs_entropy:
+            raise ValueError(
+                "entropy_coef > 0 needs the policy's entropy with gradients, which the torch learner does "
+                "not compute yet; set algo.entropy_coef=0")
+        if self.objective.needs_grad_norms:
+            if getattr(self.objective, "scope", "group") != "group":
+                raise ValueError("algo.objective.opob.scope='minibatch' is not supported by the learner's "
+                                 "per-trajectory norm path; use scope='group'")
+            if self.objective.loss_aggregation not in _PACKED_AGGREGATION:
+                raise ValueError(f"VCPO with loss_aggregation={self.objective.loss_aggregation!r} is not "
+                                 f"supported; use one of {sorted(_PACKED_AGGREGATION)}")
+
+    # --- weights and state --------------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, tensor) of every parameter, detached — what the engines load."""
+        for name, parameter in self.model.named_parameters():
+            yield name, parameter.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "step_count": self.step_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step_count"])
+
+    def save_pretrained(self, path: Path) -> None:
+        """The current policy as an HF directory (safetensors), loadable by every engine."""
+        self.model.save_pretrained(path, safe_serialization=True)
+
+    # --- the step ----------------------------------------------------------------------------
+
+    def step(self, batch: StepInput) -> dict[str, Any]:
+        """One optimizer step on `batch`; returns its metrics (floats, and lists for histograms)."""
+        size = len(batch.trajectories)
+        tokens = self._tokens(batch)
+        ranked = self._pack_ranked(tokens)
+        microbatches = [mb for mb, _ in ranked]
+        rank = self.data_parallel.rank if self.data_parallel is not None else 0
+        mine = [owner == rank for _, owner in ranked]
+        rewards = torch.tensor([t.reward for t in batch.trajectories], dtype=torch.float32,
+                               device=self.device)
+        group_ids = torch.tensor(list(batch.group_ids), dtype=torch.long, device=self.device)
+        lags = torch.tensor(list(batch.lags), dtype=torch.long, device=self.device)
+        behavior = [self._behavior(batch.trajectories, mb) for mb in microbatches]
+        sum_sq = None
+        with torch.no_grad():  # each rank its own micro-batches; zeros stand in for the others' until _share
+            if self.objective.needs_sum_probs_squared:  # OTB: Σ_v π_old(v)² from the same forward
+                stats = [self._target_stats(mb) if own else (self._zeros(mb), self._zeros(mb))
+                         for mb, own in zip(microbatches, mine, strict=True)]
+                old, sum_sq = self._share([lp for lp, _ in stats]), self._share([sq for _, sq in stats])
+            else:
+                old = self._share([self._logprobs(self.model, mb) if own else self._zeros(mb)
+                                   for mb, own in zip(microbatches, mine, strict=True)])
+            ref = None
+            if self.reference is not None:
+                ref = self._share([self._logprobs(self.reference, mb) if own else self._zeros(mb)
+                                   for mb, own in zip(microbatches, mine, strict=True)])
+        full = _FullBatch(microbatches, size, old, behavior, ref, self.device, sum_sq)
+        norms = None
+        if self.objective.needs_grad_norms:
+            norms = self._vcpo_gradient(full, rewards, group_ids, mine)
+        else:
+            self._objective_gradient(full, rewards, group_ids, lags, mine)
+        with torch.no_grad():
+            output = self.objective(full.inputs(full.old, rewards, group_ids, lags, norms))
+            lr_scale = self.lr_rule(StepSizeInputs(output.log_is_weights, output.valid, lags))
+        base_lr = lr_at(self.optim_config, self.step_count)
+        grad_norm = self._finish(float(lr_scale.scale))
+        metrics: dict[str, Any] = {key: _plain(value) for key, value in output.metrics.items()}
+        metrics.update({key: _plain(value) for key, value in lr_scale.metrics.items()})
+        metrics.update({"lr/base": base_lr, "grad/norm": grad_norm,
+                        "train/trajectories": size, "train/micro_batches": len(microbatches),
+                        "train/nonfinite_trajectories": int(output.counts.nonfinite_trajectories),
+                        "train/degenerate_groups": int(output.counts.degenerate_groups)})
+        if self.data_parallel is not None:
+            metrics.update(self._balance_metrics(ranked))
+        return metrics
+
+    def _balance_metrics(self, ranked: list[tuple[PackedMicroBatch, int]]) -> dict[str, float]:
+        """Tokens per data-parallel rank this step: the busiest rank's share against a perfect split."""
+        load = [0] * self.data_parallel.world_size  # type: ignore[union-attr]
+        for mb, owner in ranked:
+            load[owner] += mb.input_ids.shape[1]
+        mean = sum(load) / len(load)
+        return {"train/dp_ranks": float(len(load)),
+                "train/dp_max_rank_tokens_over_mean": max(load) / mean if mean else 1.0}
+
+    def _zeros(self, mb: PackedMicroBatch) -> Tensor:
+        return torch.zeros(mb.target_positions.numel(), device=self.device)
+
+    def _share(self, per_microbatch: list[Tensor]) -> list[Tensor]:
+        """Each rank's own micro-batches' values, everyone else's zeros → every rank has all of them."""
+        if self.data_parallel is None:
+            return per_microbatch
+        return self.data_parallel.all_reduce_concat_(per_microbatch)
+
+    def _tokens(self, batch: StepInput) -> list[TrajectoryTokens]:
+        tokens = []
+        for trajectory, group, is_trained in zip(batch.trajectories, batch.group_ids, batch.is_trained,
+                                                 strict=True):
+            mask = trajectory.loss_mask if is_trained else (False,) * len(trajectory.loss_mask)
+            tokens.append(TrajectoryTokens(trajectory.token_ids, mask, group_id=int(group)))
+        return tokens
+
+    def _pack(self, tokens: list[TrajectoryTokens]) -> list[PackedMicroBatch]:
+        return [mb for mb, _ in self._pack_ranked(tokens)]
+
+    def _pack_ranked(self, tokens: list[TrajectoryTokens]) -> list[tuple[PackedMicroBatch, int]]:
+        """(micro-batch, data-parallel rank that trains it), rank by rank; one process: all rank 0.
+
+        VCPO's two-buffer gradient lets a group span micro-batches, so its micro-batches keep to the
+        token budget (activation memory ∝ budget). Other objectives compute group statistics inside one
+        loss call, so their micro-batches hold whole groups (over budget when a group is larger). Either
+        way a group stays on one rank (`assign_groups`)."""
+        group_tokens: dict[int, int] = {}
+        for t in tokens:
+            group_tokens[t.group_id] = group_tokens.get(t.group_id, 0) + len(t.token_ids)
+        budget = self.micro_batch_tokens
+        if not self.objective.needs_grad_norms:
+            budget = max(budget, max(group_tokens.values()))
+        world = self.data_parallel.world_size if self.data_parallel is not None else 1
+        owner = assign_groups(group_tokens, world) if world > 1 else dict.fromkeys(group_tokens, 0)
+        aggregation = _PACKED_AGGREGATION.get(self.objective.loss_aggregation, "mean")
+        ranked: list[tuple[PackedMicroBatch, int]] = []
+        for rank in range(world):
+            indices = [i for i, t in enumerate(tokens) if owner[t.group_id] == rank]
+            plans = plan_microbatches([len(tokens[i].token_ids) for i in indices],
+                                      [tokens[i].group_id for i in indices], budget) if indices else []
+            for plan in plans:
+                mb = build_microbatch(tokens, [indices[j] for j in plan], aggregation)
+                ranked.append((mb.to(self.device), rank))
+        return ranked
+
+    def _behavior(self, trajectories: Sequence[Trajectory], mb: PackedMicroBatch) -> Tensor:
+        """(K,) engine log-probs aligned with the micro-batch's targets (target t predicts token t+1)."""
+        values: list[float] = []
+        for j, index in enumerate(mb.trajectory_indices.tolist()):
+            trajectory = trajectories[index]
+            if mb.target_counts[j]:
+                pairs = zip(trajectory.behavior_logprobs, trajectory.loss_mask, strict=True)
+                values += [logprob for logprob, is_sampled in pairs if is_sampled]
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
+
+    def _logprobs(self, model: nn.Module | None, mb: PackedMicroBatch, *, proximal: bool = True) -> Tensor:
+        """Target log-probs; `proximal`: the no-grad pass (autocast only with `autocast_proximal`)."""
+        if mb.target_positions.numel() == 0:
+            return torch.zeros(0, device=self.device)
+        with autocast(self.device, self._forward_dtype(proximal)):
+            return packed_target_logprobs(model, mb, temperature=self.temperature)
+
+    def _target_stats(self, mb: PackedMicroBatch) -> tuple[Tensor, Tensor]:
+        if mb.target_positions.numel() == 0:
+            empty = torch.zeros(0, device=self.device)
+            return empty, empty
+        with autocast(self.device, self._forward_dtype(proximal=True)):
+            return packed_target_stats(self.model, mb, temperature=self.temperature)
+
+    def _forward_dtype(self, proximal: bool) -> torch.dtype | None:
+        return None if proximal and not self.autocast_proximal else self.autocast_dtype
+
+    def _objective_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor, lags: Tensor,
+                            mine: list[bool]) -> None:
+        num_units = full.num_units(self.objective.loss_aggregation)
+        for index, mb in enumerate(full.microbatches):
+            if mb.target_positions.numel() == 0 or not mine[index]:
+                continue
+            pad = full.padding[index]
+            local = mb.trajectory_indices
+            inputs = PolicyLossInputs(
+                logprobs=pad(self._logprobs(self.model, mb, proximal=False)),
+                old_logprobs=pad(full.old[index]),
+                behavior_logprobs=pad(full.behavior[index]), loss_mask=pad.mask, rewards=rewards[local],
+                group_ids=group_ids[local], lags=lags[local],
+                ref_logprobs=pad(full.ref[index]) if full.ref is not None else None, num_units=num_units,
+                sum_probs_squared=pad(full.sum_sq[index]) if full.sum_sq is not None else None)
+            self.objective(inputs).loss.backward()
+
+    def _vcpo_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor,
+                       mine: list[bool]) -> Tensor:
+        """VCPO's gradient with exact per-trajectory norms (this rank's groups); returns ‖∇ℓ_i‖² (B,) of
+        the whole minibatch."""
+        objective = self.objective
+        log_w = full.seq_log_ratios()
+        counts = full.trained_counts()
+        valid = counts > 0
+        weights = sequence_is_weights(log_w, objective.max_log_ratio)
+        truncated = truncated_is_weights(weights, objective.is_cap)
+        groups = index_groups(group_ids)
+        # spec or reference form (vcpo/objectives/weighted.py): the objective owns every formula
+        coefs = objective.gradient_coefficients(truncated, rewards, valid, groups, full.size)
+
+        def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
+            members = members.to(self.device)
+            omega = objective.baseline_weights(sq_norms, weights[members], truncated[members],
+                                               counts[members])
+            one_group = single_group(len(members), self.device)
+            result = objective.group_baseline(rewards[members], omega, valid[members], one_group)
+            return float(result.per_trajectory[0])
+
+        live = [mb for mb, own in zip(full.microbatches, mine, strict=True)
+                if own and mb.target_positions.numel() > 0]
+        reward_coef, baseline_coef = coefs.reward_coef.float(), coefs.baseline_coef.float()
+        if self.data_parallel is not None:  # other ranks' trajectories: not in `live`, no coefficients
+            packed = torch.zeros(full.size, dtype=torch.bool, device=self.device)
+            for mb in live:
+                packed[mb.trajectory_indices] = True
+            reward_coef, baseline_coef = reward_coef * packed, baseline_coef * packed
+        sq_norms = self._accumulate_opob(live, reward_coef, baseline_coef, baseline)
+        if self.data_parallel is None:
+            return sq_norms
+        return self.data_parallel.all_reduce_sum_(sq_norms.detach().float().clone())
+
+    def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
+                         baseline_coefs: Tensor, baseline_fn: BaselineFn) -> Tensor:
+        """`.grad += −Σ (a_i − b*_g s_i) ∇ℓ_i` (learner/traj_grads/opob_grad.py); returns
+        ‖∇ℓ_i‖² (B,). The seam a
+        model-parallel backend overrides to complete the per-shard norms across its ranks."""
+        accumulate = (accumulate_opob_grad_packed if self.algo.objective.opob.grad_norm_path == "fast"
+                      else accumulate_opob_grad_per_trajectory)
+        return accumulate(self.model, microbatches, reward_coefs, baseline_coefs, baseline_fn,
+                          autocast_dtype=self.autocast_dtype, temperature=self.temperature).sq_norms
+
+    def _finish(self, lr_scale: float) -> float:
+        if self.data_parallel is not None:
+            self.data_parallel.all_reduce_grads_(list(self.model.parameters()))
+        parameters = [p for p in self.model.parameters() if p.grad is not None]
+        if self.optim_config.grad_clip is not None and parameters:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, self.optim_config.grad_clip))
+        else:
+            grad_norm = float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(p.grad) for p in parameters]))) if parameters else 0.0
+        if not math.isfinite(grad_norm):  # never let one poisoned batch destroy the weights
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step_count += 1
+            return grad_norm
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.optim_config, self.step_count) * lr_scale
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return grad_norm
+
+
+class _FullBatch:
+    """The minibatch's per-micro-batch target tensors, and their (B, T) padded forms."""
+
+    def __init__(self, microbatches: list[PackedMicroBatch], size: int, old: list[Tensor],
+                 behavior: list[Tensor], ref: list[Tensor] | None, device: torch.device,
+                 sum_sq: list[Tensor] | None = None) -> None:
+        self.microbatches, self.size, self.device = microbatches, size, device
+        self.old, self.behavior, self.ref, self.sum_sq = old, behavior, ref, sum_sq
+        self.padding = [TargetPadding(mb) for mb in microbatches]
+        self.width = max([max(mb.target_counts) for mb in microbatches] + [1])
+
+    def _stack(self, per_microbatch: list[Tensor]) -> Tensor:
+        """(B, width): row i = trajectory i's targets, whatever micro-batch it sat in."""
+        out = torch.zeros(self.size, self.width, device=self.device)
+        for pad, mb, values in zip(self.padding, self.microbatches, per_microbatch, strict=True):
+            rows = pad(values)
+            out[mb.trajectory_indices, : rows.shape[1]] = rows
+        return out
+
+    @cached_property
+    def mask(self) -> Tensor:
+        """(B, width) bool: the filled (trained-token) cells of the stacked layout."""
+        out = torch.zeros(self.size, self.width, dtype=torch.bool, device=self.device)
+        for pad, mb in zip(self.padding, self.microbatches, strict=True):
+            out[mb.trajectory_indices, : pad.mask.shape[1]] = pad.mask
+        return out
+
+    def trained_counts(self) -> Tensor:
+        counts = torch.zeros(self.size, dtype=torch.long, device=self.device)
+        for mb in self.microbatches:
+            counts[mb.trajectory_indices] = torch.tensor(mb.target_counts, device=self.device)
+        return counts
+
+    def seq_log_ratios(self) -> Tensor:
+        """(B,) L_i = Σ_{t∈M_i} log π_old − log μ."""
+        return ((self._stack(self.old) - self._stack(self.behavior)) * self.mask).sum(dim=-1)
+
+    def num_units(self, aggregation: str) -> float:
+        return float(self.mask.sum()) if aggregation == "token-mean" else float(self.size)
+
+    def inputs(self, logprobs: list[Tensor], rewards: Tensor, group_ids: Tensor, lags: Tensor,
+               norms: Tensor | None) -> PolicyLossInputs:
+        return PolicyLossInputs(
+            logprobs=self._stack(logprobs), old_logprobs=self._stack(self.old),
+            behavior_logprobs=self._stack(self.behavior), loss_mask=self.mask, rewards=rewards,
+            group_ids=group_ids, lags=lags,
+            ref_logprobs=self._stack(self.ref) if self.ref is not None else None,
+            sum_probs_squared=self._stack(self.sum_sq) if self.sum_sq is not None else None,
+            seq_sq_grad_norms=norms, num_units=float(self.size) if norms is not None else None)
+
+
+def _plain(value: Tensor | float) -> float | list[float]:
+    if isinstance(value, Tensor):
+        return value.tolist() if value.dim() > 0 else float(value)
+    return float(value)

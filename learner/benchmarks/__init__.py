@@ -1,0 +1,6 @@
+"""The `vcpo bench` benchmarks that measure the learner side: `async` (`asynchrony`), `learner`
+(`learner_step`), `opob` (`opob_step`, with `grad_paths`) and `staleness` (`staleness`, with its
+synthetic tasks and pre-taught policies in `staleness_tasks`). Each prints JSON; none is a test.
+
+May import: `learner.launch` and everything below it.
+"""

@@ -1,0 +1,103 @@
+"""Which schema validates which shipped YAML file, for `vcpo config check` and the tests.
+
+Lives in the composition layer because it joins schemas from several layers (run configs from
+`configs/`, tool specs from `tools/`, rewards from `agent_env/`); `configs/` itself stays pydantic-only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import configs
+from agent_env.rewards import RewardConfigError, build_reward
+from configs.loader import ConfigError, load_config, read_yaml_tree
+from configs.schema import (
+    AsyncBenchConfig,
+    EngineBenchConfig,
+    LearnerBenchConfig,
+    OpobBenchConfig,
+    RunConfig,
+    SandboxBenchConfig,
+    StalenessBenchConfig,
+)
+from configs.task_schema import TaskConfig, load_task_config
+from tools.base import ToolConfigError
+from tools.registry import validate_tool_settings
+from tools.settings import SandboxServerSettings
+
+CONFIG_ROOT = Path(configs.__file__).resolve().parent
+
+
+def _tool_spec(path: Path) -> Any:
+    try:
+        return validate_tool_settings(read_yaml_tree(path))[1]
+    except ToolConfigError as exc:
+        raise ConfigError(str(path), [str(exc)]) from None
+
+
+BENCH_SCHEMAS: dict[str, type] = {"opob": OpobBenchConfig, "async": AsyncBenchConfig,
+                                   "engine": EngineBenchConfig, "sandbox": SandboxBenchConfig,
+                                   "staleness": StalenessBenchConfig, "learner": LearnerBenchConfig}
+"""configs/bench/<name>.yaml (or a preset <name>_<variant>.yaml) → the schema of `vcpo bench <name>`."""
+
+
+def bench_schema_of(path: Path) -> type | None:
+    """The `vcpo bench` schema of a bench YAML, by its name (a preset's `_<variant>` suffix ignored)."""
+    return BENCH_SCHEMAS.get(path.stem.split("_", 1)[0])
+
+def check_task_config(path: str | Path, overrides: Sequence[str] = ()) -> TaskConfig:
+    """Load a task YAML and check what its schema cannot: the tool spec (tools.registry) and that
+    the reward builds (a custom `reward.function` imports). Raises ConfigError listing every problem."""
+    task = load_task_config(path, overrides)
+    problems: list[str] = []
+    if task.tool is not None:
+        try:
+            validate_tool_settings(task.tool)
+        except ToolConfigError as exc:
+            problems.append(f"tool: {exc}")
+    try:
+        build_reward(task.reward, task.answer)
+    except RewardConfigError as exc:
+        problems.append(f"reward.function: {exc}")
+    if problems:
+        raise ConfigError(str(path), problems)
+    return task
+
+
+_VALIDATORS: dict[str, Callable[[Path], Any]] = {
+    "bench": lambda path: load_config(path, bench_schema_of(path) or OpobBenchConfig),
+    "sandbox": lambda path: load_config(path, SandboxServerSettings),
+    "tasks": check_task_config,
+    "tools": _tool_spec,
+}
+
+
+def check_run_config(path: Path) -> RunConfig:
+    """A run config, with its task file (plus `task_overrides`) and its engine section checked too."""
+    from learner.train.compose import engine_settings, resolve_task_path
+
+    config = load_config(path, RunConfig)
+    check_task_config(resolve_task_path(config.task, Path(path).parent), config.task_overrides)
+    engine_settings(config.engine, str(path))
+    if config.launcher == "ray":
+        from learner.launch.ray_launcher import RayLaunchError, check_layout
+
+        try:
+            check_layout(config)
+        except RayLaunchError as exc:
+            raise ConfigError(str(path), [f"ray: {exc}"]) from None
+    return config
+
+
+def validate_shipped_file(path: Path) -> Any:
+    """Validate a YAML file under configs/ with the schema of its first sub-folder (else a run)."""
+    relative = Path(path).resolve().relative_to(CONFIG_ROOT)
+    folder = relative.parts[0] if len(relative.parts) > 1 else ""
+    return _VALIDATORS.get(folder, check_run_config)(path)
+
+
+def shipped_config_files() -> list[Path]:
+    """Every YAML file shipped under configs/."""
+    return sorted(p for p in CONFIG_ROOT.rglob("*.yaml") if p.is_file())

@@ -1,0 +1,322 @@
+"""The `vcpo` command: the composition root. Parses arguments, reads config files, wires objects.
+
+Subcommands import their modules lazily so `vcpo --help` and `vcpo config check` stay instant and
+work without the heavy stack. Only this module reads the environment or config files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+log = logging.getLogger("vcpo")
+T = TypeVar("T", bound=BaseModel)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    # `a.b.c=value` overrides may stand anywhere (also after options such as --config): argparse
+    # stops filling a positional list at the first option, so collect leftover overrides here.
+    args, extra = parser.parse_known_args(argv)
+    overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+    unknown = [item for item in extra if item not in overrides]
+    if unknown or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from agent_env.datasets import DatasetError
+    from agent_env.rewards import RewardConfigError
+    from configs.loader import ConfigError
+    from learner.train.checkpointing import CheckpointWriteError
+    from rollout.errors import EngineError, EngineUnavailable
+    from rollout.models import ModelLoadError
+    from tools.base import ToolConfigError, ToolUnavailableError
+
+    user_errors = (ConfigError, ModelLoadError, DatasetError, RewardConfigError, ToolConfigError,
+                   ToolUnavailableError, EngineUnavailable, CheckpointWriteError)
+    try:
+        return int(args.handler(args) or 0)
+    except (*user_errors, EngineError) as exc:
+        # a server's HTTP error answer (any status) is the user's to fix: one line, no traceback
+        http = getattr(exc, "http", None)
+        if http is None and not isinstance(exc, user_errors):
+            raise
+        print(f"error: {http or exc}", file=sys.stderr)
+        return 2
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vcpo", description="Stable asynchronous RL for tool-using LLM agents.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    check = commands.add_parser("config", help="validate a config file and print it resolved")
+    check.add_argument("action", choices=["check"])
+    check.add_argument("file", type=Path)
+    check.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    check.set_defaults(handler=_config_check)
+
+    model = commands.add_parser("model", help="prepare the default model (GGUF → cached safetensors)")
+    model.add_argument("action", choices=["prepare"])
+    model.add_argument("--model", default="default", help="model spec (default: the shipped SmolLM2)")
+    model.set_defaults(handler=_model_prepare)
+
+    bench = commands.add_parser("bench", help="benchmarks (JSON on stdout)")
+    bench.add_argument("name", choices=["opob", "sandbox", "engine", "async", "staleness", "learner"])
+    bench.add_argument("--config", type=Path, default=None, help="benchmark config YAML")
+    bench.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    bench.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the benchmark config")
+    bench.set_defaults(handler=_bench)
+
+    sandbox = commands.add_parser("sandbox", help="sandbox services")
+    sandbox.add_argument("action", choices=["serve"])
+    sandbox.add_argument("--host", default="127.0.0.1")
+    sandbox.add_argument("--port", type=int, default=8080)
+    sandbox.add_argument("--config", type=Path, default=None, help="YAML of local sandbox settings")
+    sandbox.add_argument("--allow-non-loopback", action="store_true",
+                         help="permit binding a non-loopback address (expose the sandbox to a network)")
+    sandbox.set_defaults(handler=_sandbox_serve)
+
+    plot = commands.add_parser("plot", help="draw a run's dashboard PNG from its metrics.jsonl; several "
+                                            "run dirs: one comparison PNG (reward, ESS, lr scale, grad norm)")
+    plot.add_argument("run_dir", type=Path, nargs="+")
+    plot.add_argument("--out", type=Path, default=None,
+                      help="PNG path (default: RUN_DIR/dashboard.png; with several runs: ./compare.png)")
+    plot.set_defaults(handler=_plot)
+
+    trend = commands.add_parser("trend", help="is a run learning? per-block reward and success rate, and the "
+                                              "success-rate trend with a bootstrap CI (JSON)")
+    trend.add_argument("run_dir", type=Path)
+    trend.add_argument("--block", type=int, default=10, help="steps per block (default 10)")
+    trend.add_argument("--success", type=float, default=1.0,
+                       help="an episode succeeds when its reward is at least this (default 1.0)")
+    trend.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    trend.set_defaults(handler=_trend)
+
+    train = commands.add_parser(
+        "train", help="train asynchronously (resumes from RUN_DIR's newest checkpoint)")
+    train.add_argument("config", type=Path, nargs="?", default=Path("configs/default.yaml"),
+                       help="run config YAML (default: configs/default.yaml)")
+    train.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the run config")
+    train.add_argument("--no-progress", action="store_true", help="no live progress line")
+    train.add_argument("--stop-after-step", type=int, default=None,
+                       help="exit after this step (a checkpoint is written first if it is a checkpoint step)")
+    train.set_defaults(handler=_train)
+
+    evaluate = commands.add_parser("eval", help="evaluate a model on a task (avg@k, pass@k, maj@k)")
+    evaluate.add_argument("task", type=Path, help="task YAML, e.g. configs/tasks/gsm8k.yaml")
+    evaluate.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the task")
+    evaluate.add_argument("--model", default="default",
+                          help="model spec: 'default', a local HF directory or a hub id. hf/vllm/auto: the "
+                               "model evaluated. openai: only where the tokenizer comes from (it must be "
+                               "the served model's); the name sent to the server is --served-model")
+    evaluate.add_argument("--backend", default="auto", choices=["auto", "hf", "vllm", "openai"],
+                          help="engine backend (openai = any OpenAI-compatible server, see --url)")
+    evaluate.add_argument("--url", default=None,
+                          help="openai: the server's API root, e.g. http://127.0.0.1:8000/v1")
+    evaluate.add_argument("--served-model", default=None, metavar="NAME",
+                          help="openai: the model name sent in requests (vLLM's --served-model-name). "
+                               "Default: from the server's URL/models, its only model or the id equal "
+                               "to --model")
+    evaluate.add_argument("--k", type=int, default=None,
+                          help="samples per problem (default: the task's eval.k)")
+    evaluate.add_argument("--limit", type=int, default=None, help="first N problems (default: the task's)")
+    evaluate.add_argument("--out", type=Path, default=None,
+                          help="samples JSONL (default: evals/<task>-<model>.jsonl; openai: the served name)")
+    evaluate.add_argument("--seed", type=int, default=0, help="sampling seed")
+    evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
+    evaluate.set_defaults(handler=_eval)
+    return parser
+
+
+def _trend(args: argparse.Namespace) -> int:
+    from learner.observability.trend import TrendError, reward_trend
+
+    try:
+        result = reward_trend(args.run_dir, block=args.block, success=args.success, resamples=args.resamples)
+    except (TrendError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _cache_dir() -> Path:
+    from rollout.models import default_cache_dir
+
+    return default_cache_dir()
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    import yaml
+
+    from configs.loader import load_config, read_yaml_tree
+    from configs.schema import RunConfig
+    from learner.cli.config_catalog import bench_schema_of
+    from learner.train.compose import engine_settings, load_task
+
+    raw = read_yaml_tree(args.file)
+    if isinstance(raw, dict) and "prompt" in raw and "reward" in raw:  # a task file
+        config, _ = load_task(args.file, args.overrides)
+    elif args.file.parent.name == "bench" and bench_schema_of(args.file) is not None:  # configs/bench/*.yaml
+        config = load_config(args.file, bench_schema_of(args.file), args.overrides)
+    else:  # a run config: its task and engine sections are checked too
+        config = load_config(args.file, RunConfig, args.overrides)
+        load_task(config.task, config.task_overrides, relative_to=args.file.parent)
+        engine_settings(config.engine, str(args.file))
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def _model_prepare(args: argparse.Namespace) -> int:
+    from rollout.models import resolve_model
+
+    print(resolve_model(args.model, _cache_dir()).name_or_path)
+    return 0
+
+
+def _bench_config(args: argparse.Namespace, schema: type[T]) -> T:
+    """The benchmark's config: `--config FILE` (if given) plus the command line's overrides."""
+    from configs.loader import apply_overrides, load_config, validate_config
+
+    if args.config is not None:
+        return load_config(args.config, schema, args.overrides)
+    raw: dict[str, Any] = {}
+    paths = apply_overrides(raw, args.overrides, source="<command line>")
+    return validate_config(raw, schema, "<command line>", paths)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from configs.schema import EngineBenchConfig, OpobBenchConfig, SandboxBenchConfig
+
+    result: dict[str, Any]
+    if args.name == "opob":
+        from learner.benchmarks.opob_step import run_opob_bench
+
+        config = _bench_config(args, OpobBenchConfig)
+        _set_threads()
+        result = run_opob_bench(config, cache_dir=_cache_dir(), progress=_progress)
+    elif args.name == "async":
+        from configs.schema import AsyncBenchConfig
+        from learner.benchmarks.asynchrony import run_async_bench
+
+        result = run_async_bench(_bench_config(args, AsyncBenchConfig), _cache_dir(), progress=_progress)
+    elif args.name == "engine":
+        from rollout.bench.engine import run_engine_bench
+
+        engine = _bench_config(args, EngineBenchConfig)
+        result = run_engine_bench(engine.model, _cache_dir(), concurrencies=tuple(engine.concurrencies),
+                                  max_new_tokens=engine.max_new_tokens, backends=tuple(engine.backends),
+                                  min_requests=engine.min_requests, rounds=engine.rounds, dtype=engine.dtype,
+                                  vllm_use_eager=engine.vllm_use_eager, progress=_progress)
+    elif args.name == "learner":
+        from configs.schema import LearnerBenchConfig
+        from learner.benchmarks.learner_step import run_learner_bench
+
+        _set_threads()
+        result = run_learner_bench(_bench_config(args, LearnerBenchConfig))
+    elif args.name == "staleness":
+        from configs.schema import StalenessBenchConfig
+        from learner.benchmarks.staleness import run_staleness_bench
+        from learner.train.compose import PACKAGE_ROOT
+
+        if args.config is None:  # the methods and their lrs live in the shipped file
+            args.config = PACKAGE_ROOT / "configs" / "bench" / "staleness.yaml"
+        result = run_staleness_bench(_bench_config(args, StalenessBenchConfig), progress=_progress)
+        print(Path(result["config"]["run_root"], "summary.md").read_text(), file=sys.stderr)
+    else:
+        from tools.sandbox.bench import run_sandbox_bench
+
+        bench = _bench_config(args, SandboxBenchConfig)
+        result = run_sandbox_bench(num_calls=bench.num_calls, concurrencies=tuple(bench.concurrencies))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+def _sandbox_serve(args: argparse.Namespace) -> int:
+    from configs.loader import load_config
+    from tools.sandbox_fusion.server import serve
+    from tools.settings import SandboxServerSettings
+
+    settings = load_config(args.config, SandboxServerSettings) if args.config else SandboxServerSettings()
+    if args.allow_non_loopback:
+        settings = settings.model_copy(update={"use_non_loopback_host": True})
+    serve(args.host, args.port, settings)
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from learner.observability.metrics_log import MetricsFileError
+    from learner.observability.plot import plot_compare, plot_run
+
+    try:
+        if len(args.run_dir) == 1:
+            print(plot_run(args.run_dir[0], args.out))
+        else:
+            print(plot_compare(args.run_dir, args.out or Path("compare.png")))
+    except (MetricsFileError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from configs.loader import load_config, write_resolved_config
+    from configs.schema import RunConfig
+    from learner.launch.run import run_training
+    from learner.train.compose import engine_settings, load_task
+
+    config = load_config(args.config, RunConfig, args.overrides)
+    task, task_path = load_task(config.task, config.task_overrides, relative_to=args.config.parent)
+    settings = engine_settings(config.engine, str(args.config))
+    run_dir = Path(config.run_dir)
+    write_resolved_config(config, run_dir)
+    write_resolved_config(task, run_dir, name="task.yaml")
+    cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else _cache_dir()
+    summary = asyncio.run(run_training(config, task, task_path, settings, cache_dir, run_dir,
+                                       progress=not args.no_progress, stop_after_step=args.stop_after_step))
+    first = sum(summary.first_rewards) / max(1, len(summary.first_rewards))
+    last = sum(summary.last_rewards) / max(1, len(summary.last_rewards))
+    print(f"trained {summary.steps} steps in {summary.wall_s:.0f} s; reward (mean of step means) first "
+          f"{len(summary.first_rewards)} steps {first:.3f} → last {len(summary.last_rewards)} steps "
+          f"{last:.3f}; "
+          f"metrics: {run_dir / 'metrics.jsonl'}; dashboard: vcpo plot {run_dir}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from learner.cli.eval_command import run_evaluation
+
+    return asyncio.run(run_evaluation(args, _cache_dir()))
+
+
+def _set_threads() -> None:
+    """Use every core for torch unless the user chose (OMP_NUM_THREADS)."""
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or 1)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+

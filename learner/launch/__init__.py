@@ -1,0 +1,5 @@
+"""Launching a training run: in this process or across a Ray cluster (`run.run_training` picks), with the
+Ray driver (`ray_launcher`) and its actors (`ray_actors`: rollout workers, learner ranks, sandboxes).
+
+May import: `learner.train` and everything below it.
+"""

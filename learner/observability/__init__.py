@@ -1,0 +1,6 @@
+"""Observability: what a run records and shows — metric names (`metric_names`), the JSONL/TensorBoard/W&B
+writer and reader (`metrics_log`), the live progress line (`progress`), `vcpo plot` (`plot`) and
+`vcpo trend` (`trend`).
+
+May import: nothing of `learner` (it is the bottom of the learner layer); `vcpo` for metric keys.
+"""

@@ -1,0 +1,122 @@
+"""A one-line live view of training for the terminal: step/total, reward, ESS, lr scale, policy lag,
+throughput and elapsed time.
+
+`format_progress` is the pure formatting; `ProgressLine` decides when and how to write it: on a TTY
+it rewrites one line in place (`\\r`) at every update, elsewhere (log files, CI) it writes a plain
+line at most every `interval_s` seconds plus the final step. It records nothing: metrics.jsonl is
+the record (learner.observability.metrics_log).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, TextIO
+
+from learner.observability.metric_names import (
+    IS_ESS_RATIO,
+    LR_SCALE,
+    PERF_TOKENS_PER_S,
+    REWARD_MEAN,
+    STALENESS_MAX,
+    STALENESS_MEAN,
+    WALL_S,
+)
+
+MISSING = "-"
+
+
+def _number(value: Any, spec: str) -> str:
+    if value is None:
+        return MISSING
+    value = float(value)
+    return format(value, spec) if math.isfinite(value) else str(value)
+
+
+def _rate(tokens_per_s: Any) -> str:
+    """850 → '850', 1234 → '1.2k', 2_500_000 → '2.5M'."""
+    if tokens_per_s is None or not math.isfinite(float(tokens_per_s)):
+        return MISSING
+    value = float(tokens_per_s)
+    for threshold, suffix in ((1e6, "M"), (1e3, "k")):
+        if value >= threshold:
+            return f"{value / threshold:.1f}{suffix}"
+    return f"{value:.0f}"
+
+
+def _duration(seconds: float) -> str:
+    """312.7 → '0:05:12' (hours grow past 99 as needed)."""
+    whole = int(seconds)
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
+def format_progress(step: int, total_steps: int, metrics: Mapping[str, Any], *,
+                    elapsed_s: float | None = None) -> str:
+    """One line, e.g. 'step 12/500 (2%) | reward 0.425 | ess 0.87 | lr scale 0.50 | lag 1.3 (max 4)
+    | 1.2k tok/s | 0:05:12'. Missing metrics show as '-'. elapsed_s: defaults to metrics['wall_s'];
+    omitted when neither is given."""
+    percent = f" ({100 * step / total_steps:.0f}%)" if total_steps > 0 else ""
+    parts = [
+        f"step {step}/{total_steps}{percent}",
+        f"reward {_number(metrics.get(REWARD_MEAN), '.3f')}",
+        f"ess {_number(metrics.get(IS_ESS_RATIO), '.2f')}",
+        f"lr scale {_number(metrics.get(LR_SCALE), '.2f')}",
+        f"lag {_number(metrics.get(STALENESS_MEAN), '.1f')}"
+        f" (max {_number(metrics.get(STALENESS_MAX), '.0f')})",
+        f"{_rate(metrics.get(PERF_TOKENS_PER_S))} tok/s",
+    ]
+    elapsed = elapsed_s if elapsed_s is not None else metrics.get(WALL_S)
+    if elapsed is not None:
+        parts.append(_duration(float(elapsed)))
+    return " | ".join(parts)
+
+
+class ProgressLine:
+    """Writes `format_progress` to `stream` (default: sys.stderr at construction).
+
+    On a TTY every `update` rewrites the line in place; otherwise a line is written at the first
+    update, then once `interval_s` has passed since the last written one, and at the final step.
+    elapsed time counts from construction, by `clock` (seconds; injectable for tests).
+    """
+
+    def __init__(self, total_steps: int, stream: TextIO | None = None, *, interval_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.total_steps = total_steps
+        self._stream = stream if stream is not None else sys.stderr
+        self._is_tty = bool(getattr(self._stream, "isatty", lambda: False)())
+        self._interval_s = interval_s
+        self._clock = clock
+        self._start_s = clock()
+        self._last_written_s: float | None = None
+        self._width = 0  # longest line written in place, to blank out a shorter successor
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        now = self._clock()
+        text = format_progress(step, self.total_steps, metrics, elapsed_s=now - self._start_s)
+        if self._is_tty:
+            self._stream.write("\r" + text.ljust(self._width))
+            self._width = max(self._width, len(text))
+        elif (self._last_written_s is None or now - self._last_written_s >= self._interval_s
+              or step >= self.total_steps):
+            self._stream.write(text + "\n")
+        else:
+            return
+        self._last_written_s = now
+        self._stream.flush()
+
+    def close(self) -> None:
+        """End the in-place line so later output starts on a fresh line."""
+        if self._is_tty and self._width:
+            self._stream.write("\n")
+            self._stream.flush()
+            self._width = 0
+
+    def __enter__(self) -> ProgressLine:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,7 @@
+"""The training loop of one process: wiring a run's parts from its config (`compose`), building the
+learner (`build`), the step loop with metrics and checkpoints (`trainer`), atomic checkpoints
+(`checkpointing`) and the cold-start SFT (`warm_start`).
+
+May import: `learner.backends`, `learner.traj_grads`, `learner.forward`, `learner.distributed`,
+`learner.observability`.
+"""

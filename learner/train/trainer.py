@@ -1,0 +1,367 @@
+"""`vcpo train`: the loop that joins rollout stream → learner → weight sync, in one process.
+
+Local mode (ARCHITECTURE.md): the engine and the agent loops run on this asyncio loop (the engine's
+forward passes on its own thread), the learner step runs on a worker thread, and weights are
+copied in memory into the engine (in place for vLLM) with the new policy version. The rollout
+manager admits groups under the lag bound `k`, so generation for step `v + 1 … v + k` overlaps the
+learner's step `v`.
+
+Per step: wait for the batch slot (idle_learner), apply the task's loss filters, train (train),
+push weights (weight_sync), log every VCPO.md metric to metrics.jsonl/TensorBoard, show progress,
+and every `checkpoint_every` steps write an atomic checkpoint (model, optimizer, step, RNG, data
+position, unconsumed groups and slots in flight). A resumed run restarts from the newest complete
+checkpoint with the same lag bound, and no group is lost or used twice (rollout/manager.py).
+
+What it does not do: read config files (the CLI does) or know any engine/tool/task specifics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from agent_env.loop import Episode, EpisodeSettings, run_episode
+from agent_env.prompts import render_messages, render_prompt_ids
+from agent_env.samples import Sample
+from configs.schema import RunConfig
+from configs.task_schema import TaskConfig
+from learner.backends.torch_learner import StepInput
+from learner.observability.metrics_log import MetricsLogger
+from learner.observability.progress import ProgressLine
+from learner.train.checkpointing import (
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    rng_state,
+    save_checkpoint,
+)
+from rollout.base import InferenceEngine
+from rollout.errors import EngineUnavailable
+from rollout.manager import GroupTicket, RolloutManager, RunGroup, WeightTarget
+from rollout.trajectory import Trajectory
+from tools.base import Tool, ToolUnavailableError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+
+def data_index(position: int, num_samples: int, seed: int) -> int:
+    """The sample used at data position `position`: a fresh seeded permutation per epoch."""
+    epoch, offset = divmod(position, num_samples)
+    order = list(range(num_samples))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order[offset]
+
+
+def episode_settings(task: TaskConfig, seed: int | None = None, *, for_eval: bool = False) -> EpisodeSettings:
+    """The agent loop's settings from a task (training, or its eval overrides)."""
+    loop = task.loop
+    return EpisodeSettings(
+        max_turns=task.eval.max_turns if for_eval else loop.max_turns,
+        max_total_tokens=(task.eval.max_total_tokens or loop.max_total_tokens) if for_eval
+        else loop.max_total_tokens,
+        max_new_tokens_per_turn=loop.max_new_tokens_per_turn,
+        temperature=task.eval.temperature if for_eval else loop.temperature,
+        top_p=task.eval.top_p if for_eval else loop.top_p,
+        answer_pattern=task.answer.pattern,
+        observation_format=loop.observation_format,
+        max_observation_chars=loop.max_observation_chars,
+        preamble=loop.preamble,
+        use_session=loop.use_session,
+        seed=seed,
+    )
+
+
+@dataclass
+class TaskRuntime:
+    """Everything needed to run episodes of one task (built by the composition root)."""
+
+    task: TaskConfig
+    samples: Sequence[Sample]
+    reward: Callable[[str, Sample], Any]
+    tokenizer: PreTrainedTokenizerBase
+    engine: InferenceEngine
+    tool: Tool | None
+    skipped_samples: int = 0
+    reward_errors: int = 0
+    """Episodes whose reward function failed (scored 0, counted, never fatal)."""
+    prompt_cache: dict[str, list[int]] = field(default_factory=dict)
+
+    def prompt_ids(self, sample: Sample) -> list[int]:
+        if sample.sample_id not in self.prompt_cache:
+            messages = render_messages(self.task.prompt.system, self.task.prompt.user, sample)
+            self.prompt_cache[sample.sample_id] = render_prompt_ids(self.tokenizer, messages)
+        return self.prompt_cache[sample.sample_id]
+
+    async def episode(self, sample: Sample, settings: EpisodeSettings, trajectory_id: str,
+                      group_id: str) -> Episode:
+        episode = await run_episode(
+            self.engine, self.tokenizer, self.prompt_ids(sample), settings,
+            lambda text: self.reward(text, sample), tool=self.tool, trajectory_id=trajectory_id,
+            group_id=group_id, task_name=self.task.name, sample_id=sample.sample_id)
+        if getattr(episode.reward_info, "error", None):
+            self.reward_errors += 1
+        return episode
+
+    def group_runner(self, group_size: int, seed: int) -> RunGroup:
+        """The rollout manager's `run_group`: `group_size` episodes of the ticket's prompt, here."""
+        return _group_runner(self, group_size, seed)
+
+    def counters(self) -> dict[str, float]:
+        """Running totals logged every step."""
+        return {"rollout/skipped_samples": self.skipped_samples, "rollout/reward_errors": self.reward_errors}
+
+
+class RolloutRuntime(Protocol):
+    """What `train` needs of the rollout side: a `TaskRuntime` here, or the Ray launcher's pool of
+    rollout actors (learner/launch/ray_launcher.py)."""
+
+    task: TaskConfig
+    tokenizer: PreTrainedTokenizerBase
+
+    @property
+    def engine(self) -> WeightTarget: ...
+
+    def group_runner(self, group_size: int, seed: int) -> RunGroup: ...
+
+    def counters(self) -> dict[str, float]: ...
+
+
+class Learner(Protocol):
+    """What `train` needs of a learner: `TorchLearner`, or the Ray launcher's proxy of learner actors."""
+
+    device: torch.device
+
+    def step(self, batch: StepInput) -> dict[str, Any]: ...
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def save_pretrained(self, path: Path) -> None: ...
+
+
+def _group_runner(runtime: TaskRuntime, group_size: int, seed: int) -> RunGroup:
+    settings = episode_settings(runtime.task)
+
+    async def run_group(ticket: GroupTicket) -> list[Trajectory]:
+        sample = runtime.samples[data_index(ticket.prompt_position, len(runtime.samples), seed)]
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(runtime.episode(
+                sample, settings, f"g{ticket.group_index}.{ticket.attempt}.{member}",
+                str(ticket.group_index))) for member in range(group_size)]
+        return [task.result().trajectory for task in tasks]
+
+    return run_group
+
+
+class TrajectoryLog:
+    """run_dir/trajectories.jsonl: one line per trajectory the learner consumed, written (and fsynced)
+    at each step; on resume from step S the lines of later steps and a torn last line are dropped."""
+
+    def __init__(self, path: Path, tokenizer: PreTrainedTokenizerBase, resume_from_step: int) -> None:
+        self.path, self.tokenizer = path, tokenizer
+        kept = []
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    break
+                if record["step"] <= resume_from_step:
+                    kept.append(line)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+
+    def write(self, step: int, groups: Sequence[tuple[GroupTicket, list[Trajectory]]], version: int) -> None:
+        for ticket, members in groups:
+            for trajectory in members:
+                mask = trajectory.loss_mask
+                first = mask.index(True) if any(mask) else len(trajectory.token_ids)
+                self._file.write(json.dumps({
+                    "step": step, "group": ticket.group_index, "prompt_position": ticket.prompt_position,
+                    "sample_id": trajectory.task.sample_id, "reward": trajectory.reward,
+                    "lag": version - trajectory.versions.start,
+                    "versions": [trajectory.versions.start, trajectory.versions.end],
+                    "turns": trajectory.task.turns, "tool_calls": trajectory.task.tool_calls,
+                    "tool_errors": trajectory.task.tool_errors, "truncated": trajectory.task.is_truncated,
+                    "text": self.tokenizer.decode(trajectory.token_ids[first:], skip_special_tokens=False),
+                }) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def step_input(
+    groups: Sequence[tuple[GroupTicket, list[Trajectory]]], version: int, task: TaskConfig
+) -> StepInput:
+    """The learner's minibatch: lags at consumption and the task's loss filters."""
+    trajectories, group_ids, lags, trained = [], [], [], []
+    for ticket, members in groups:
+        for trajectory in members:
+            trajectories.append(trajectory)
+            group_ids.append(ticket.group_index)
+            lags.append(version - trajectory.versions.start)
+            is_void = task.filters.mask_void_turns and trajectory.task.void_turns > 0
+            is_cut = task.filters.remove_truncated and trajectory.task.is_truncated
+            trained.append(not (is_void or is_cut))
+    return StepInput(trajectories, group_ids, lags, trained)
+
+
+def rollout_metrics(batch: StepInput) -> dict[str, float]:
+    """Episode statistics of a minibatch (rollout/*, tokens/generated)."""
+    trajectories = batch.trajectories
+    n = max(1, len(trajectories))
+    return {
+        "rollout/turns_mean": sum(t.task.turns for t in trajectories) / n,
+        "rollout/tool_calls_mean": sum(t.task.tool_calls for t in trajectories) / n,
+        "rollout/tool_errors_mean": sum(t.task.tool_errors for t in trajectories) / n,
+        "rollout/truncated_frac": sum(t.task.is_truncated for t in trajectories) / n,
+        "rollout/void_turn_frac": sum(t.task.void_turns > 0 for t in trajectories) / n,
+        "rollout/response_tokens_mean": sum(t.num_sampled_tokens for t in trajectories) / n,
+        "rollout/filtered_frac": sum(not kept for kept in batch.is_trained) / n,
+        "tokens/generated": float(sum(t.num_sampled_tokens for t in trajectories)),
+    }
+
+
+def _step_and_trim(learner: Learner, batch: StepInput) -> dict[str, Any]:
+    """One learner step, then hand freed heap pages back to the OS (glibc `malloc_trim`; a no-op
+    elsewhere): a step's transient activations are GBs the engine may need before the next step."""
+    try:
+        return learner.step(batch)
+    finally:
+        _malloc_trim()
+
+
+def _malloc_trim() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def export_model(learner: Learner, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> Path:
+    """The trained policy as an HF directory (safetensors + tokenizer) for `vcpo eval --model`, any
+    engine or the hub; written beside and renamed into place, so a reader never sees half of it."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    learner.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+@dataclass
+class TrainSummary:
+    steps: int
+    first_rewards: list[float]
+    last_rewards: list[float]
+    wall_s: float
+    run_dir: Path
+
+
+async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, run_dir: Path, *,
+                progress: bool = True, stop_after_step: int | None = None) -> TrainSummary:
+    """Train `config.trainer.total_steps` steps (resuming from run_dir's newest checkpoint if any)."""
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer, rollout = config.trainer, config.rollout
+    run_group = runtime.group_runner(config.algo.group_size, config.seed)
+    manager = RolloutManager(
+        runtime.engine, run_group, groups_per_batch=rollout.groups_per_step,
+        max_lag=rollout.max_lag,
+        max_concurrent_groups=(rollout.max_concurrent_groups
+                               or rollout.groups_per_step * (rollout.max_lag + 1)),
+        max_attempts=rollout.max_group_attempts, fatal_errors=(EngineUnavailable, ToolUnavailableError),
+        total_batches=trainer.total_steps, saturate=rollout.saturate_lag)
+    start_step = 0
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None:
+        state, meta = load_checkpoint(checkpoint, map_location=learner.device)
+        learner.load_state_dict(state["learner"])
+        restore_rng_state(state["rng"])
+        manager.restore(state["rollout"])
+        start_step = int(meta["step"])
+        log.info("resuming from %s (step %d)", checkpoint, start_step)
+        await manager.sync_weights(learner.named_weights(), start_step)
+    rewards: list[float] = []
+    is_finished = False
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        # One dedicated learner thread: glibc gives each thread its own malloc arena and keeps what a
+        # thread freed for that thread, so learner steps hopping between pool threads each pinned a
+        # step's worth of activations (the default run grew 12 → 24 GB in 7 steps and was OOM-killed).
+        learner_thread = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner"))
+        trajectory_log = None
+        if trainer.save_trajectories:
+            trajectory_log = TrajectoryLog(run_dir / "trajectories.jsonl", runtime.tokenizer, start_step)
+            stack.callback(trajectory_log.close)
+        metrics_log = stack.enter_context(MetricsLogger(
+            run_dir, resume_from_step=start_step,
+            use_tensorboard=trainer.use_tensorboard, use_wandb=trainer.use_wandb))
+        display = stack.enter_context(ProgressLine(trainer.total_steps)) if progress else None
+        async with manager:
+            last_busy, last_wall = manager.busy_seconds(), time.perf_counter()
+            for step in range(start_step, trainer.total_steps):
+                waited = time.perf_counter()
+                groups = await manager.next_batch()
+                idle_learner = time.perf_counter() - waited
+                batch = step_input(groups, step, runtime.task)
+                if trajectory_log is not None:
+                    trajectory_log.write(step + 1, groups, step)
+                tick = time.perf_counter()
+                metrics = await asyncio.get_running_loop().run_in_executor(learner_thread, _step_and_trim,
+                                                                           learner, batch)
+                train_s = time.perf_counter() - tick
+                tick = time.perf_counter()
+                await manager.sync_weights(learner.named_weights(), step + 1)
+                sync_s = time.perf_counter() - tick
+                now, busy = time.perf_counter(), manager.busy_seconds()
+                metrics.update(rollout_metrics(batch))
+                metrics.update({
+                    "time/train": train_s, "time/weight_sync": sync_s, "time/idle_learner": idle_learner,
+                    "time/generate": busy - last_busy,
+                    "time/idle_rollout": (now - last_wall) - (busy - last_busy),
+                    "time/step": now - last_wall,
+                    "perf/tokens_per_s": metrics["tokens/generated"] / max(1e-9, now - last_wall),
+                    "rollout/failed_groups": manager.counters.groups_failed})
+                metrics.update(runtime.counters())
+                last_busy, last_wall = busy, now
+                metrics_log.log(step + 1, step + 1, metrics)
+                rewards.append(float(metrics.get("reward/mean", 0.0)))
+                if display is not None:
+                    display.update(step + 1, metrics)
+                is_last = is_finished = step + 1 == trainer.total_steps
+                if (step + 1) % trainer.checkpoint_every == 0 or is_last:
+                    save_checkpoint(run_dir, step + 1, {"learner": learner.state_dict(), "rng": rng_state(),
+                                                        "rollout": manager.state()},
+                                    {"version": step + 1, "config": config.model_dump(mode="json")},
+                                    keep=trainer.keep_checkpoints)
+                if stop_after_step is not None and step + 1 >= stop_after_step:
+                    break
+    if is_finished:
+        export_model(learner, runtime.tokenizer, run_dir / "export")
+    steps_done = len(rewards)
+    return TrainSummary(steps_done, rewards[:10], rewards[-10:], time.perf_counter() - started, run_dir)

@@ -1,0 +1,167 @@
+"""Cold-start SFT before RL (`warm_start` in a run config): a few tool-using demonstrations so that a
+small model produces the answer format at all, and RL has groups with reward variance to learn from.
+
+Why: the 135M default model writes a `\\boxed{}` equation in ~1% of Countdown-with-tool episodes, so
+nearly every group has zero reward variance and every policy gradient is exactly 0 (docs/results.md).
+SimpleTIR / ReTool-style pipelines start RL from a short supervised cold start for the same reason.
+
+Demonstrations (Countdown tasks, i.e. answers with `numbers` and `target`): for training instances the
+exact solver solves, the episode the agent loop would produce for a model that checks its equation
+with the tool — turn 1 writes a ```python block printing the equation, the observation is formatted
+exactly as the loop formats the sandbox's output (loss-masked), turn 2 gives the boxed equation.
+Prompts are rendered with the task's template and chat template, as in rollouts. The instances come
+from the *end* of the training set (the RL run starts from the beginning), so RL does not begin on
+prompts whose answers were shown.
+
+The result is cached as an HF model directory keyed by the model, task and settings, written beside
+and renamed into place; a resumed run reuses it (the checkpoint restores the learner anyway).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agent_env.countdown import solve
+from agent_env.prompts import render_messages, render_prompt_ids
+from agent_env.samples import Sample
+from agent_env.turns import format_observation
+from configs.schema import RunConfig, WarmStartConfig
+from configs.task_schema import TaskConfig
+from learner.forward.logprobs import autocast, autocast_dtype
+from rollout.tiny import padded_sft_batch
+
+log = logging.getLogger(__name__)
+
+TURN_1 = "Let me check the equation with Python.\n```python\nprint({expression})\n```\n"
+TURN_2 = "The equation {expression} equals {target}, so the answer is \\boxed{{{expression}}}."
+
+
+def _python_print(expression: str) -> str:
+    """What `print(expression)` shows for the solver's arithmetic (ints, + - * / and parentheses)."""
+    tree = ast.parse(expression, mode="eval")
+    allowed = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div,
+               ast.USub)
+    if not all(isinstance(node, allowed) for node in ast.walk(tree)):
+        raise ValueError(f"not plain arithmetic: {expression!r}")
+    value = eval(compile(tree, "<solver>", "eval"), {"__builtins__": {}})
+    return f"{value}\n"
+
+
+def demonstrations(task: TaskConfig, samples: list[Sample], tokenizer: Any, count: int, seed: int
+                   ) -> list[tuple[list[int], list[bool]]]:
+    """(token ids, loss mask) of up to `count` solver-written tool episodes, from the end of `samples`."""
+    out: list[tuple[list[int], list[bool]]] = []
+    rng = random.Random(seed)
+    for sample in reversed(samples):
+        if len(out) >= count:
+            break
+        answer = sample.answer
+        if not isinstance(answer, dict) or not {"numbers", "target"} <= set(answer):
+            raise ValueError(f"warm_start demonstrations need Countdown samples (answer with numbers and "
+                             f"target); sample {sample.sample_id!r} has answer {answer!r}")
+        numbers = list(answer["numbers"])
+        rng.shuffle(numbers)
+        expression = solve(numbers, int(answer["target"]))
+        if expression is None:
+            continue
+        prompt = render_prompt_ids(tokenizer, render_messages(task.prompt.system, task.prompt.user, sample))
+        turn_1 = tokenizer.encode(TURN_1.format(expression=expression), add_special_tokens=False)
+        shown = format_observation(_python_print(expression), task.loop.observation_format)
+        observation = tokenizer.encode(shown, add_special_tokens=False)
+        turn_2 = [*tokenizer.encode(TURN_2.format(expression=expression, target=answer["target"]),
+                                    add_special_tokens=False), tokenizer.eos_token_id]
+        ids = prompt + turn_1 + observation + turn_2
+        mask = ([False] * len(prompt) + [True] * len(turn_1) + [False] * len(observation)
+                + [True] * len(turn_2))
+        out.append((ids, mask))
+    return out
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _autocast(config: RunConfig) -> torch.dtype | None:
+    """The SFT trains fp32 weights (whatever model.dtype), under `warm_start.autocast`."""
+    return autocast_dtype(config.warm_start.autocast, _device())
+
+
+def warm_start_dir(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Path:
+    """Cache folder of the warm-started model for these settings (any change → a new folder)."""
+    settings = {"model": config.model.path, "dtype": config.model.dtype, "task": task.model_dump(mode="json"),
+                "warm_start": config.warm_start.model_dump(mode="json", exclude={"autocast"}),
+                "seed": config.seed}
+    if _autocast(config) is not None:  # absent otherwise: fp32 caches from before it stay valid
+        settings["autocast"] = "bfloat16"
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir / "warm_start" / key
+
+
+def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_dir: Path,
+                   report: Callable[[str], None] = log.info) -> Path:
+    """The warm-started model directory (trained now, or the cached one — then the training set is
+    not even loaded); `report` gets a progress line every 8 SFT steps."""
+    from agent_env.datasets import load_samples
+    from rollout.models import load_causal_lm, load_tokenizer
+
+    out_dir = warm_start_dir(config, task, cache_dir)
+    if (out_dir / "config.json").is_file():
+        log.info("warm start: reusing %s", out_dir)
+        return out_dir
+    settings: WarmStartConfig = config.warm_start
+    tokenizer = load_tokenizer(config.model.path, cache_dir)
+    samples = load_samples(task, which="train", task_dir=task_path.parent).samples
+    examples = demonstrations(task, samples, tokenizer, settings.examples, config.seed)
+    if not examples:
+        raise ValueError("warm_start: the solver found no demonstration among the training samples")
+    model = load_causal_lm(config.model.path, cache_dir, torch.float32, _device().type).train()
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    compute_dtype = _autocast(config)
+    generator = random.Random(config.seed)
+    started = time.perf_counter()
+    losses: list[float] = []
+    batches = -(-len(examples) // settings.batch_size)  # per epoch
+    for epoch in range(settings.epochs):
+        order = list(range(len(examples)))
+        generator.shuffle(order)
+        for first in range(0, len(order), settings.batch_size):
+            batch = [examples[i] for i in order[first: first + settings.batch_size]]
+            ids, attention, labels = padded_sft_batch(batch, tokenizer.pad_token_id or 0)
+            with autocast(device, compute_dtype):
+                loss = model(input_ids=ids.to(device), attention_mask=attention.to(device),
+                             labels=labels.to(device)).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            if len(losses) % 8 == 0:
+                report(f"[warm start] step {len(losses)}/{settings.epochs * batches}, loss {losses[-1]:.3f}, "
+                       f"{time.perf_counter() - started:.0f} s")
+        mean = sum(losses[-batches:]) / batches
+        report(f"[warm start] epoch {epoch + 1}/{settings.epochs}: mean loss {mean:.3f}")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.eval().save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "warm_start.json").write_text(json.dumps({
+        "examples": len(examples), "epochs": settings.epochs, "lr": settings.lr,
+        "first_loss": losses[0], "last_loss": losses[-1],
+        "seconds": round(time.perf_counter() - started, 1)}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out_dir)
+    return out_dir

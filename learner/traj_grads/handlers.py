@@ -1,0 +1,456 @@
+"""Per-module hooks that split one packed backward pass into per-trajectory gradients.
+
+Trajectories of a packed micro-batch do not interact (block-diagonal attention), so for the
+loss `Σ_j ℓ_j` the gradient reaching a layer output at a position of trajectory `j` is exactly
+`∂ℓ_j/∂out_t`. Each handler turns the output gradients `δ` and inputs `x` of its module into
+
+* the per-trajectory squared norms `‖g_j‖²` restricted to its parameters (fp32), added to
+  `MicroBatchState.sq_norms` during the backward, and
+* the coefficient-weighted gradient `Σ_j c_j g_j` for coefficients known only after the
+  backward (`ApplyPlan`, because `b*_g` needs every layer's norm first), in `apply`.
+
+`nn.Linear` weight, per trajectory `j` with rows `t ∈ τ_j`: `G_j = Σ_t δ_t x_tᵀ`. Two exact ways:
+
+* *Gram*: `‖G_j‖² = Σ_{t,s} (x_t·x_s)(δ_t·δ_s)`, cost `2 T_j² (in + out)` flops, no `G_j`;
+  the weighted gradient is then ONE deferred GEMM over all rows with per-row coefficients,
+  i.e. exactly the work of autograd's ordinary weight gradient. Costs memory: `δ` of the
+  layer stays alive until `apply` (about one more activation-sized tensor per layer).
+* *Dense*: form `G_j` (GEMM with the same total flops as the weight gradient), take its norm
+  and add `−a_j G_j` to `.grad` and `s_j G_j` to the group buffer `S_g` right away (3 passes over
+  an `out × in` matrix per trajectory, memory-bound).
+
+The choice is per (layer, trajectory): Gram when `2 T² (in + out) ≤ dense_cost_flops · in · out`,
+where `dense_cost_flops` is the price of one element of those memory passes in flops.
+
+RMSNorm weight: `Σ_t δ_t ⊙ x̂_t` per trajectory; bias: `Σ_t δ_t`; input embedding: the rows of
+the trajectory's tokens receive `δ` of the embedding output. All three are tiny per trajectory
+and kept until `apply`. Tied embeddings (`lm_head.weight is embed_tokens.weight`): the shared
+tensor's per-trajectory gradient is `G_j + E_j`, so `‖G_j‖² + ‖E_j‖² + 2⟨G_j, E_j⟩`; `E_j` only has
+rows at the trajectory's input tokens `u_j`, so the cross term needs only `G_j[u_j]`
+(`(|u_j| × T_j)·(T_j × H)` flops), which the lm_head handler leaves in `tied_rows`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
+
+from learner.forward.packing import PackedMicroBatch
+from learner.traj_grads.buffers import GroupBuffers, add_to_grad, grad_of
+
+Segments = tuple[tuple[int, int], ...]
+"""Per packed trajectory, the `[start, end)` rows it owns in a module's input (host ints)."""
+
+
+class UniqueInputs(NamedTuple):
+    """The distinct input tokens of every trajectory of a micro-batch, trajectory-major.
+
+    `tokens`: (U,) token ids; `row_trajectory`: (U,) owning trajectory; `inverse`: (N,) row of
+    each packed position; `segments`: rows of each trajectory in `tokens`.
+    """
+
+    tokens: Tensor
+    row_trajectory: Tensor
+    inverse: Tensor
+    segments: Segments
+
+
+@dataclass(frozen=True)
+class ApplyPlan:
+    """Coefficients decided after the backward of one micro-batch.
+
+    `grad_coefs`: (n,) fp32, the coefficient of `g_j` in `.grad`: `−(a_j − b*_g s_j)` when `j`'s
+    group closed with this micro-batch, else `−a_j`. `open_groups`: (group id, its local
+    trajectories) for groups still open; their `s_j g_j` go to `S_g`.
+    """
+
+    grad_coefs: Tensor
+    open_groups: tuple[tuple[int, tuple[int, ...]], ...]
+
+
+def _cumulative_segments(lengths: tuple[int, ...]) -> Segments:
+    segments, start = [], 0
+    for length in lengths:
+        segments.append((start, start + length))
+        start += length
+    return tuple(segments)
+
+
+@dataclass
+class MicroBatchState:
+    """What the handlers of one micro-batch share; `sq_norms` grows during the backward.
+
+    Host copies (coefficients, group ids, segment bounds) are made once here, so the per-layer
+    hooks never synchronise with the device for them.
+    """
+
+    batch: PackedMicroBatch
+    reward_coefs: Tensor
+    """(n,) fp32 `a_j` on the model device."""
+    baseline_coefs: Tensor
+    """(n,) fp32 `s_j` on the model device."""
+    buffers: GroupBuffers
+    dense_cost_flops: float
+    vocab_size: int
+    sq_norms: Tensor = field(init=False)
+    """(n,) fp32 running `‖g_j‖²`."""
+    group_of: tuple[int, ...] = field(init=False)
+    """Host group id of each packed trajectory."""
+    tied_rows: list[Tensor] | None = None
+    """Per trajectory, `G_j[u_j]` of a tied lm_head, rows aligned with `unique_inputs().segments`."""
+    gram_cache: dict[tuple[object, ...], tuple[Tensor, Tensor]] = field(default_factory=dict)
+    """(input, its Gram matrices) keyed by storage address, shape and segments: shared by layers
+    reading the same tensor (q/k/v, gate/up)."""
+    _coefs_host: tuple[tuple[float, float], ...] = ()
+    _token_rows: tuple[Segments, Tensor] | None = None
+    _target_rows: tuple[Segments, Tensor] | None = None
+    _unique: UniqueInputs | None = None
+
+    def __post_init__(self) -> None:
+        batch = self.batch
+        self.sq_norms = torch.zeros(batch.num_trajectories, dtype=torch.float32, device=self.device)
+        self.group_of = tuple(batch.group_ids.tolist())
+        self._coefs_host = tuple(zip(self.reward_coefs.tolist(), self.baseline_coefs.tolist(), strict=True))
+        self._token_rows = (_cumulative_segments(batch.seq_lengths), batch.token_trajectory)
+        self._target_rows = (
+            _cumulative_segments(batch.target_counts),
+            batch.token_trajectory[batch.target_positions],
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.batch.input_ids.device
+
+    def coefs_of(self, j: int) -> tuple[float, float]:
+        """Host `(a_j, s_j)`."""
+        return self._coefs_host[j]
+
+    def rows(self, num_rows: int, name: str) -> tuple[Segments, Tensor]:
+        """Segments and (R,) row → trajectory map for a module that saw `num_rows` rows: all
+        packed tokens (decoder layers) or only the target positions (lm_head)."""
+        batch = self.batch
+        if num_rows == batch.num_tokens:
+            return self._token_rows
+        if num_rows == batch.target_positions.numel():
+            return self._target_rows
+        raise RuntimeError(
+            f"{name} saw {num_rows} rows, neither the {batch.num_tokens} packed tokens nor the "
+            f"{batch.target_positions.numel()} target positions; this model's layout is not supported by "
+            "the packed path, use accumulate_opob_grad_per_trajectory"
+        )
+
+    def unique_inputs(self) -> UniqueInputs:
+        """Distinct (trajectory, input token) pairs, computed once per micro-batch."""
+        if self._unique is None:
+            batch = self.batch
+            keys = batch.token_trajectory * self.vocab_size + batch.input_ids[0]
+            unique_keys, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+            row_trajectory = unique_keys // self.vocab_size
+            counts = torch.bincount(row_trajectory, minlength=batch.num_trajectories).tolist()
+            self._unique = UniqueInputs(
+                unique_keys % self.vocab_size, row_trajectory, inverse, _cumulative_segments(tuple(counts))
+            )
+        return self._unique
+
+
+def _sq_norm(t: Tensor) -> Tensor:
+    """`‖t‖²` accumulated in fp32 (a 0-dim tensor; no host sync)."""
+    flat = t.reshape(-1).float()
+    return torch.dot(flat, flat)
+
+
+def _segment_grams(rows: Tensor, segments: Segments) -> Tensor:
+    """(m, T_max, T_max) fp32 Gram matrices `X_j X_jᵀ` of the given row segments (zero padded)."""
+    padded = pad_sequence([rows[start:end].float() for start, end in segments], batch_first=True)
+    return torch.bmm(padded, padded.transpose(1, 2))
+
+
+def _segment_sums(rows: Tensor, row_trajectory: Tensor, num_trajectories: int) -> Tensor:
+    """(n, D) fp32 per-trajectory sums of (R, D) rows."""
+    sums = torch.zeros(num_trajectories, rows.shape[1], dtype=torch.float32, device=rows.device)
+    return sums.index_add_(0, row_trajectory, rows.float())
+
+
+def _rows_of(segments: Segments, trajectories: list[int], device: torch.device) -> slice | Tensor:
+    """Rows of `trajectories`: a slice when they are consecutive, else an index tensor."""
+    first, last = trajectories[0], trajectories[-1]
+    if trajectories == list(range(first, last + 1)):
+        return slice(segments[first][0], segments[last][1])
+    pieces = [torch.arange(*segments[j], device=device) for j in trajectories]
+    return torch.cat(pieces)
+
+
+def _gram_is_cheaper(length: int, in_features: int, out_features: int, dense_cost_flops: float) -> bool:
+    """Gram norm (`2T²(in+out)` flops) vs materialising `G_j` (`in·out` elements, memory-bound)."""
+    return (
+        2.0 * length * length * (in_features + out_features) <= dense_cost_flops * in_features * out_features
+    )
+
+
+class _Hooked:
+    """Shared plumbing: bind to a micro-batch, capture the input, hook the output gradient."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._state: MicroBatchState | None = None
+        self._x: Tensor | None = None
+        self._source: Tensor | None = None
+        """The forward input as the module received it (before an autocast cast): layers reading one
+        tensor (q/k/v, gate/up) share its Gram matrices, keyed by its address."""
+        self._delta: Tensor | None = None
+
+    @property
+    def state(self) -> MicroBatchState:
+        assert self._state is not None, f"{self.name}: handler used outside a micro-batch"
+        return self._state
+
+    def bind(self, state: MicroBatchState | None) -> None:
+        """Start a micro-batch (or, with None, drop every saved tensor)."""
+        self._state, self._x, self._source, self._delta = state, None, None, None
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop what the subclass saved in `on_backward`."""
+
+    def forward_hook(self, module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+        if self._state is None:
+            return  # a forward outside the packed pass (e.g. generation) is not ours to track
+        if self._x is not None:
+            raise RuntimeError(
+                f"{self.name} ran more than once in one forward pass; calling a module several times is "
+                "not supported by the packed path, use accumulate_opob_grad_per_trajectory"
+            )
+        self._x = self._source = args[0].detach()
+        if output.requires_grad:
+            output.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: Tensor) -> None:
+        self._delta = grad.detach().reshape(-1, grad.shape[-1])
+        if self._x.dtype != self._delta.dtype and self._x.is_floating_point():
+            # Under autocast the module computed in the output's dtype (e.g. bf16 from an fp32
+            # residual stream): the weight gradient is taken in that dtype too, as autograd's would be.
+            self._x = self._x.to(self._delta.dtype)
+        self.on_backward(self._delta, self._x.reshape(-1, self._x.shape[-1]))
+        self._source = None  # a Gram cache entry that needs it holds its own reference
+
+    def on_backward(self, delta: Tensor, x: Tensor) -> None:
+        raise NotImplementedError
+
+
+class LinearHandler(_Hooked):
+    """Per-trajectory gradients of an `nn.Linear` (weight and/or bias, whichever is trainable).
+
+    `tied`: the weight is also the input embedding (tied lm_head); then `G_j[u_j]` is left in
+    `state.tied_rows` for `EmbeddingHandler`'s cross term.
+    """
+
+    def __init__(self, name: str, module: nn.Linear, tied: bool) -> None:
+        super().__init__(name)
+        self.weight = module.weight if module.weight.requires_grad else None
+        self.bias = module.bias if module.bias is not None and module.bias.requires_grad else None
+        self.tied = tied
+        self.clear()
+
+    def clear(self) -> None:
+        self._gram: list[int] = []
+        self._bias_grads: Tensor | None = None
+        self._segments: Segments = ()
+        self._row_trajectory: Tensor | None = None
+
+    def on_backward(self, delta: Tensor, x: Tensor) -> None:
+        state = self.state
+        self._segments, self._row_trajectory = state.rows(delta.shape[0], self.name)
+        if self.bias is not None:
+            self._bias_grads = _segment_sums(delta, self._row_trajectory, state.batch.num_trajectories)
+            state.sq_norms += self._bias_grads.square().sum(1)
+        if self.weight is not None:
+            self._weight_norms(delta, x)
+        if not self._gram:  # nothing deferred: free the layer's input and output gradient now
+            self._x = self._delta = None
+
+    def _weight_norms(self, delta: Tensor, x: Tensor) -> None:
+        state, weight = self.state, self.weight
+        in_features, out_features = x.shape[1], delta.shape[1]
+        self._gram, dense = [], []
+        for j, (start, end) in enumerate(self._segments):
+            if end == start:
+                continue
+            cheap = _gram_is_cheaper(end - start, in_features, out_features, state.dense_cost_flops)
+            (self._gram if cheap else dense).append(j)
+        if self._gram:
+            segments = tuple(self._segments[j] for j in self._gram)
+            source = self._source
+            key = (source.data_ptr(), tuple(source.shape), x.dtype, segments)
+            if key not in state.gram_cache:  # the entry holds `source`, so its address cannot be reused
+                state.gram_cache[key] = (source, _segment_grams(x, segments))
+            norms = (state.gram_cache[key][1] * _segment_grams(delta, segments)).sum((1, 2))
+            state.sq_norms.index_add_(0, torch.tensor(self._gram, device=norms.device), norms)
+        tied_rows = {}
+        group_of = state.group_of
+        # One G_j buffer reused for every trajectory: a fresh lm_head-sized allocation per
+        # trajectory would page-fault its whole size each time on CPU.
+        per_trajectory = delta.new_empty(out_features, in_features) if dense else None
+        for j in dense:
+            start, end = self._segments[j]
+            torch.mm(delta[start:end].T, x[start:end], out=per_trajectory)  # G_j, (out, in)
+            state.sq_norms[j] += _sq_norm(per_trajectory)
+            reward_coef, baseline_coef = state.coefs_of(j)
+            add_to_grad(weight, per_trajectory, -reward_coef)
+            state.buffers.add(group_of[j], weight, per_trajectory, baseline_coef)
+            if self.tied:
+                tied_rows[j] = per_trajectory[self._unique_tokens(j)]
+        if self.tied:
+            state.tied_rows = self._tied_rows(delta, x, tied_rows)
+
+    def _unique_tokens(self, j: int) -> Tensor:
+        unique = self.state.unique_inputs()
+        start, end = unique.segments[j]
+        return unique.tokens[start:end]
+
+    def _tied_rows(self, delta: Tensor, x: Tensor, dense_rows: dict[int, Tensor]) -> list[Tensor]:
+        """`G_j[u_j] = δ_j[:, u_j]ᵀ x_j` for every trajectory (dense ones already sliced)."""
+        rows = []
+        for j, (start, end) in enumerate(self._segments):
+            if j not in dense_rows:
+                dense_rows[j] = delta[start:end, self._unique_tokens(j)].T @ x[start:end]
+            rows.append(dense_rows[j].float())
+        return rows
+
+    def apply(self, plan: ApplyPlan) -> None:
+        """Add the deferred (Gram-path and bias) contributions to `.grad` and open `S_g`."""
+        state = self.state
+        if self._bias_grads is not None:
+            _apply_per_trajectory(self.bias, self._bias_grads, plan, state)
+        if self.weight is None or not self._gram:
+            return
+        self.weight.grad = self._accumulate(self.weight.grad, self._gram, plan.grad_coefs)
+        for group_id, members in plan.open_groups:
+            trajectories = [j for j in self._gram if j in members]
+            if trajectories:
+                state.buffers.add(
+                    group_id, self.weight, self._accumulate(None, trajectories, state.baseline_coefs)
+                )
+
+    def _accumulate(self, target: Tensor | None, trajectories: list[int], coefs: Tensor) -> Tensor:
+        """`target += Σ_{t ∈ rows} coefs[traj(t)] δ_t x_tᵀ`: one GEMM, the ordinary weight-grad cost.
+
+        With `target=None` the product is returned as a new tensor (no zero fill, no extra read).
+        """
+        if len(trajectories) == len(self._segments):
+            rows: slice | Tensor = slice(None)
+        else:
+            rows = _rows_of(self._segments, trajectories, self._delta.device)
+        delta, x = self._delta[rows], self._x.reshape(-1, self._x.shape[-1])[rows]
+        row_coefs = coefs[self._row_trajectory[rows]].to(delta.dtype).unsqueeze(1)
+        # Scale whichever operand is narrower: same result, fewer elementwise ops.
+        if delta.shape[1] <= x.shape[1]:
+            delta = delta * row_coefs
+        else:
+            x = x * row_coefs
+        dtype = self.weight.dtype if target is None else target.dtype
+        if delta.dtype != dtype:  # autocast: the GEMM in the compute dtype, accumulated in the weight's
+            product = torch.mm(delta.T, x.to(delta.dtype)).to(dtype)
+            return product if target is None else target.add_(product)
+        if target is None:
+            return torch.mm(delta.T, x.to(dtype))
+        return target.addmm_(delta.T, x.to(dtype))
+
+
+def _apply_per_trajectory(
+    param: nn.Parameter, per_trajectory: Tensor, plan: ApplyPlan, state: MicroBatchState
+) -> None:
+    """`.grad += Σ_j c_j p_j` and `S_g += Σ_{j∈g} s_j p_j` for small per-trajectory grads `p`: (n, *shape)."""
+    flat = per_trajectory.reshape(per_trajectory.shape[0], -1)
+    add_to_grad(param, (plan.grad_coefs @ flat).reshape(param.shape))
+    for group_id, members in plan.open_groups:
+        index = torch.tensor(members, device=flat.device)
+        state.buffers.add(group_id, param, (state.baseline_coefs[index] @ flat[index]).reshape(param.shape))
+
+
+RMS_NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
+"""HF norms computing `weight * (x / sqrt(mean(x²) + variance_epsilon))` (the cast back to the input
+dtype before the scale included). Another class with that exact forward can be added here."""
+
+
+class RMSNormHandler(_Hooked):
+    """Per-trajectory `Σ_t δ_t ⊙ x̂_t` of an RMSNorm weight, recomputing `x̂` from the saved input."""
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        super().__init__(name)
+        self.weight: nn.Parameter = module.weight
+        self.epsilon = float(module.variance_epsilon)
+        self.clear()
+
+    def clear(self) -> None:
+        self._per_trajectory: Tensor | None = None
+
+    def on_backward(self, delta: Tensor, x: Tensor) -> None:
+        state = self.state
+        x32 = x.float()
+        normalised = (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.epsilon)).to(x.dtype)
+        _, row_trajectory = state.rows(delta.shape[0], self.name)
+        self._per_trajectory = _segment_sums(
+            delta.float() * normalised.float(), row_trajectory, len(state.sq_norms)
+        )
+        state.sq_norms += self._per_trajectory.square().sum(1)
+
+    def apply(self, plan: ApplyPlan) -> None:
+        if self._per_trajectory is not None:
+            _apply_per_trajectory(self.weight, self._per_trajectory, plan, self.state)
+
+
+class EmbeddingHandler:
+    """Per-trajectory gradients of the input `nn.Embedding`, fed the gradient of its output.
+
+    The packed pass (`PackedGradHooks.backward`) computes the embedding itself and starts the
+    autograd graph at its output, so no hook is needed. Rows at `padding_idx` get no gradient,
+    as in `F.embedding`.
+    """
+
+    def __init__(self, name: str, module: nn.Embedding, tied: bool) -> None:
+        self.name = name
+        self.weight: nn.Parameter = module.weight
+        self.padding_idx = module.padding_idx
+        self.tied = tied
+        self._state: MicroBatchState | None = None
+        self._delta: Tensor | None = None
+
+    def bind(self, state: MicroBatchState | None) -> None:
+        self._state, self._delta = state, None
+
+    def on_backward(self, embedding_grad: Tensor) -> None:
+        """`embedding_grad`: (1, N, H) gradient of the embedding output (the leaf's `.grad`)."""
+        state = self._state
+        input_ids = state.batch.input_ids[0]
+        delta = embedding_grad.reshape(-1, embedding_grad.shape[-1])
+        if self.padding_idx is not None:
+            delta = delta * (input_ids != self.padding_idx).unsqueeze(1).to(delta.dtype)
+        self._delta = delta
+        unique = state.unique_inputs()
+        # E_j restricted to its rows u_j: (U, H), trajectory-major like tied_rows.
+        rows = torch.zeros(len(unique.tokens), delta.shape[1], dtype=torch.float32, device=delta.device)
+        rows.index_add_(0, unique.inverse, delta.float())
+        row_norms = rows.square().sum(1)
+        if self.tied:
+            if state.tied_rows is None:
+                raise RuntimeError(f"{self.name} is tied to an lm_head whose gradient hook never ran")
+            row_norms += 2.0 * (torch.cat(state.tied_rows) * rows).sum(1)  # cross term 2⟨G_j, E_j⟩
+        state.sq_norms.index_add_(0, unique.row_trajectory, row_norms)
+
+    def apply(self, plan: ApplyPlan) -> None:
+        if self._delta is None:
+            return
+        state, delta = self._state, self._delta
+        input_ids, token_trajectory = state.batch.input_ids[0], state.batch.token_trajectory
+        coefs = plan.grad_coefs[token_trajectory].to(delta.dtype).unsqueeze(1)
+        grad_of(self.weight).index_add_(0, input_ids, (delta * coefs).to(self.weight.dtype))
+        segments = _cumulative_segments(state.batch.seq_lengths)
+        for group_id, members in plan.open_groups:
+            rows = _rows_of(segments, list(members), delta.device)
+            coefs = state.baseline_coefs[token_trajectory[rows]].to(delta.dtype).unsqueeze(1)
+            buffer = state.buffers.get(group_id, self.weight)
+            buffer.index_add_(0, input_ids[rows], (delta[rows] * coefs).to(buffer.dtype))

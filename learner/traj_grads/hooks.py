@@ -1,0 +1,174 @@
+"""Attach per-trajectory gradient handlers to an HF causal LM for one packed pass.
+
+`PackedGradHooks` is a context manager. On entry it checks that every trainable parameter has a
+handler (`nn.Linear`, the input `nn.Embedding`, the RMSNorms of `RMS_NORM_CLASSES`), sets
+`requires_grad=False` on all of them and registers forward hooks. The backward then starts at
+a detached copy of the embedding output that requires grad: autograd computes only input
+gradients (`δ`), never a weight gradient, and the handlers build the weight gradients
+themselves — so the weight-gradient work is not done twice. On exit — also after an exception —
+the hooks are removed and every `requires_grad` flag is restored.
+
+It does not decide coefficients or baselines (`learner/traj_grads/opob_grad.py` does) and supports neither
+gradient checkpointing (the recomputed forward would fire the hooks twice) nor modules called
+more than once per forward.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from learner.forward.logprobs import autocast, packed_target_logprobs
+from learner.traj_grads.handlers import (
+    RMS_NORM_CLASSES,
+    ApplyPlan,
+    EmbeddingHandler,
+    LinearHandler,
+    MicroBatchState,
+    RMSNormHandler,
+)
+
+PER_TRAJECTORY_HINT = "freeze it (requires_grad=False) or use accumulate_opob_grad_per_trajectory"
+
+
+class UnsupportedParameterError(ValueError):
+    """A trainable parameter has no per-trajectory gradient handler in the packed path."""
+
+
+def _is_plain(module: nn.Module, cls: type[nn.Module]) -> bool:
+    """`module` is a `cls` whose forward was not overridden (quantised or LoRA layers are not)."""
+    return isinstance(module, cls) and type(module).forward is cls.forward
+
+
+def _embedding_problem(module: nn.Embedding) -> str | None:
+    if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+        return "max_norm, scale_grad_by_freq and sparse embeddings are not supported"
+    return None
+
+
+class PackedGradHooks:
+    """Per-trajectory gradient hooks on `model` while the context is active (see module docstring)."""
+
+    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None,
+                 temperature: float = 1.0) -> None:
+        if getattr(model, "is_gradient_checkpointing", False):
+            raise ValueError(
+                "gradient checkpointing is on; the packed per-trajectory path needs one forward per "
+                "micro-batch: call model.gradient_checkpointing_disable() or use "
+                "accumulate_opob_grad_per_trajectory"
+            )
+        self.model = model
+        self.autocast_dtype = autocast_dtype
+        """Run the forward under `torch.autocast` in this dtype (None: in the weights' dtype)."""
+        self.temperature = temperature
+        """Sampling temperature T: the log-probs are of softmax(logits / T), as the proximal pass's."""
+        self.embedding_module: nn.Embedding = model.get_input_embeddings()
+        self.hooked: list[tuple[nn.Module, LinearHandler | RMSNormHandler]] = []
+        self.embedding: EmbeddingHandler | None = None
+        self._scan(model)
+        self.params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+        self._handles: list[RemovableHandle] = []
+        self._saved_flags: list[tuple[nn.Parameter, bool]] = []
+
+    def _scan(self, model: nn.Module) -> None:
+        """Give every module owning a trainable parameter a handler; report all misfits at once."""
+        embedding_weight = self.embedding_module.weight
+        problems = []
+        for name, module in model.named_modules():
+            own = [(p_name, p) for p_name, p in module.named_parameters(recurse=False) if p.requires_grad]
+            if not own:
+                continue
+            where = f"{name or '<root>'} ({type(module).__name__}): "
+            if module is self.embedding_module and _is_plain(module, nn.Embedding):
+                problem = _embedding_problem(module)
+                if problem is None:
+                    self.embedding = EmbeddingHandler(name, module, tied=False)
+                    continue
+                problems.append(where + problem)
+            elif _is_plain(module, nn.Linear):
+                tied = module.weight is embedding_weight and module.weight.requires_grad
+                self.hooked.append((module, LinearHandler(name, module, tied=tied)))
+            elif type(module).__name__ in RMS_NORM_CLASSES and [p_name for p_name, _ in own] == ["weight"]:
+                self.hooked.append((module, RMSNormHandler(name, module)))
+            else:
+                problems.extend(f"{where}parameter {name}.{p_name}" for p_name, _ in own)
+        if problems:
+            raise UnsupportedParameterError(
+                "the packed per-trajectory gradient path has no hook for these trainable parameters: "
+                + "; ".join(problems)
+                + f". For each, {PER_TRAJECTORY_HINT}."
+            )
+        tied = any(handler.tied for _, handler in self.hooked if isinstance(handler, LinearHandler))
+        if self.embedding is not None:
+            self.embedding.tied = tied
+
+    def __enter__(self) -> PackedGradHooks:
+        try:
+            for param in self.params:
+                self._saved_flags.append((param, param.requires_grad))
+                param.requires_grad_(False)
+            for module, handler in self.hooked:
+                self._handles.append(module.register_forward_hook(handler.forward_hook))
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        for param, flag in self._saved_flags:
+            param.requires_grad_(flag)
+        self._handles, self._saved_flags = [], []
+        self._bind(None)
+
+    def _bind(self, state: MicroBatchState | None) -> None:
+        for _, handler in self.hooked:
+            handler.bind(state)
+        if self.embedding is not None:
+            self.embedding.bind(state)
+
+    def backward(self, state: MicroBatchState) -> None:
+        """Forward + one backward of `Σ_j ℓ_j` for `state.batch`; fills `state.sq_norms`.
+
+        Saved inputs and output gradients stay alive until the next `backward` or exit, for
+        `apply`. A micro-batch without targets has `g_j = 0` and runs no model at all.
+        """
+        self._bind(state)
+        batch = state.batch
+        if batch.target_positions.numel() == 0:
+            return
+        with torch.enable_grad():
+            embedded = self.embedding_module(batch.input_ids).detach().requires_grad_(True)
+            with autocast(self.device, self.autocast_dtype):
+                logprobs = packed_target_logprobs(self.model, batch, inputs_embeds=embedded,
+                                                  temperature=self.temperature)
+            loss = (logprobs * batch.target_weights[batch.target_positions]).sum()
+            loss.backward()
+        if self.embedding is not None and embedded.grad is not None:
+            self.embedding.on_backward(embedded.grad)
+
+    def apply(self, plan: ApplyPlan) -> None:
+        """Add the deferred coefficient-weighted gradients of the last `backward` (see `ApplyPlan`)."""
+        for _, handler in self.hooked:
+            handler.apply(plan)
+        if self.embedding is not None:
+            self.embedding.apply(plan)
+        self._bind(None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embedding_module.num_embeddings
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device (where micro-batches and coefficients must live)."""
+        return self.embedding_module.weight.device

@@ -1,0 +1,8 @@
+"""The inference engines behind `rollout.base.InferenceEngine`: HF transformers (`hf_engine`, `hf_batch`,
+`sampling`, on the `runtime` worker thread), vLLM (`vllm_engine`, `vllm_worker`), SGLang
+(`sglang_engine`, `sglang_launcher`), any OpenAI-compatible server (`openai_engine` over
+`http_client`), the backend `factory`, and the weight-push helpers (`checkpoint`, `weight_group`).
+
+May import: the top of `rollout` (protocol, types, errors, settings, models, progress) — never the
+rollout manager or `rollout.bench`.
+"""

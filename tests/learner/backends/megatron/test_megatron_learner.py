@@ -1,0 +1,334 @@
+"""The megatron-core learner equals the torch learner on the same batch: packed logits, the step's metrics,
+VCPO's per-trajectory squared gradient norms and the weights after one optimizer step (compared in HF
+names through mbridge's export) — in process at TP = 1, and at TP = 2, DP = 2, PP = 2 and 3, CP = 2,
+PP × CP = 2 × 2 and TP × PP = 2 × 2 under torchrun, all on the CPU with gloo and the test-only CUDA shim
+(tests/learner/megatron_cpu.py).
+
+Tolerances (fp32 throughout; measured maxima on this machine in brackets): logits 1e-5 absolute
+[2e-7]; metrics 1e-5 relative [2e-6]; ‖∇ℓ_i‖² 1e-5 relative [3e-7]; weights after one Adam step at
+lr 1e-3, eps 1e-6: 1e-5 absolute, i.e. 1% of the step [3e-6].
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from configs.schema import AlgoConfig, MegatronConfig, RunConfig
+from learner.backends.torch_learner import StepInput
+from learner.forward.logprobs import packed_target_logprobs, trajectory_logliks
+from learner.forward.packing import build_microbatch, plan_microbatches
+from tests.learner import megatron_parity
+from tests.learner.conftest import random_trajectories, tiny_model
+
+LOGIT_ATOL, METRIC_RTOL, NORM_RTOL, WEIGHT_ATOL = 1e-5, 1e-5, 1e-5, 1e-5
+
+
+def _needs_megatron() -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install vcpo[megatron])")
+    pytest.importorskip("mbridge", reason="mbridge is not installed (pip install vcpo[megatron])")
+
+
+@pytest.fixture(scope="module")
+def megatron_world() -> Iterator[None]:
+    """A gloo world of one process with megatron's TP = 1 groups, for this module's in-process tests."""
+    _needs_megatron()
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from learner.backends.megatron.learner import init_model_parallel
+    from tests.learner.megatron_cpu import cuda_on_cpu
+
+    with cuda_on_cpu():
+        init_model_parallel(MegatronConfig(), backend="gloo")
+    yield
+    with cuda_on_cpu():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("megatron-ckpt")
+    return {kind: megatron_parity.write_checkpoint(kind, root / kind) for kind in ("llama_tied", "qwen2")}
+
+
+CONDITIONED_METRIC_ABS = {"is/log_w_reward_corr": 1e-4}
+"""Metrics that amplify the backends' ~1e-7 log-prob differences: a correlation of log w (a sum of
+small per-token differences, ~0.1 here) with R moves by ~1e-5 when the log-ratios move by 1e-6."""
+
+
+def _megatron_learner(hf_dir: Path, algo_name: str, **megatron: object) -> object:
+    from learner.backends.megatron.learner import MegatronLearner
+    from tests.learner.megatron_cpu import cuda_on_cpu
+
+    with cuda_on_cpu():
+        return MegatronLearner(hf_dir, megatron_parity.algo(algo_name), megatron_parity.OPTIM,
+                               MegatronConfig.model_validate(megatron),
+                               micro_batch_tokens=megatron_parity.MICRO_BATCH_TOKENS)
+
+
+def _step(learner: object, batch: object) -> megatron_parity.StepRecord:
+    from tests.learner.megatron_cpu import cuda_on_cpu
+
+    with cuda_on_cpu():
+        return megatron_parity.run_step(learner, batch)
+
+
+def _assert_same_step(got: megatron_parity.StepRecord, want: megatron_parity.StepRecord) -> None:
+    assert set(got.metrics) == set(want.metrics)
+    for key, value in want.metrics.items():
+        tolerance = CONDITIONED_METRIC_ABS.get(key, 1e-6)
+        assert got.metrics[key] == pytest.approx(value, rel=METRIC_RTOL, abs=tolerance), key
+    if want.sq_norms is None:
+        assert got.sq_norms is None
+    else:
+        torch.testing.assert_close(got.sq_norms, want.sq_norms, rtol=NORM_RTOL, atol=0)
+    assert set(got.weights) == set(want.weights)  # same HF names: engines accept either backend's weights
+    for name, weight in want.weights.items():
+        torch.testing.assert_close(got.weights[name], weight, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2"])
+def test_packed_logits_match_the_hf_model(megatron_world: None, checkpoints: dict[str, Path],
+                                          kind: str) -> None:
+    from learner.backends.megatron.model import MegatronCausalLM, load_megatron_gpt
+    from tests.learner.megatron_cpu import cuda_on_cpu
+
+    tokens = random_trajectories(num_groups=2, per_group=2)
+    plan = plan_microbatches([len(t.token_ids) for t in tokens], [t.group_id for t in tokens], 4096)[0]
+    batch = build_microbatch(tokens, plan, "mean")  # 4 trajectories in one packed row
+    call = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "use_cache": False,
+            "logits_to_keep": batch.target_positions}
+    with cuda_on_cpu():
+        model = MegatronCausalLM(load_megatron_gpt(checkpoints[kind], MegatronConfig(), torch.float32,
+                                                   torch.device("cpu")))
+        got = model(**call).logits
+    want = tiny_model(kind)(**call).logits
+    assert got.shape == want.shape == (1, batch.target_positions.numel(), want.shape[-1])
+    torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_ATOL)
+
+
+@pytest.mark.parametrize(("kind", "algo_name", "use_distributed_optimizer"), [
+    ("llama_tied", "grpo", False), ("llama_tied", "vcpo", False), ("qwen2", "vcpo", True),
+    ("llama_tied", "vcpo_reference", False)])
+def test_one_step_matches_the_torch_learner(megatron_world: None, checkpoints: dict[str, Path], kind: str,
+                                            algo_name: str, use_distributed_optimizer: bool) -> None:
+    batch = megatron_parity.parity_batch(kind)
+    want = megatron_parity.run_step(megatron_parity.torch_learner(kind, algo_name), batch)
+    learner = _megatron_learner(checkpoints[kind], algo_name,
+                                use_distributed_optimizer=use_distributed_optimizer)
+    got = _step(learner, batch)
+    assert got.metrics["grad/norm"] > 0.1  # a real update, not a vanishing one that would match anything
+    _assert_same_step(got, want)
+
+
+def test_two_steps_with_weight_exports_between_match_the_torch_learner(megatron_world: None,
+                                                                        checkpoints: dict[str, Path]) -> None:
+    """As in training: step, export the weights for the engines, step again (the second from the first's
+    optimizer state and updated weights)."""
+    batch = megatron_parity.parity_batch("llama_tied")
+    reference = megatron_parity.torch_learner("llama_tied", "vcpo")
+    learner = _megatron_learner(checkpoints["llama_tied"], "vcpo")
+    for _ in range(2):
+        want, got = megatron_parity.run_step(reference, batch), _step(learner, batch)
+        _assert_same_step(got, want)
+
+
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
+def test_resuming_from_state_dict_continues_exactly(megatron_world: None, checkpoints: dict[str, Path],
+                                                   use_distributed_optimizer: bool) -> None:
+    from tests.learner.megatron_cpu import cuda_on_cpu
+
+    batch = megatron_parity.parity_batch("llama_tied")
+    first = _megatron_learner(checkpoints["llama_tied"], "grpo",
+                              use_distributed_optimizer=use_distributed_optimizer)
+    _step(first, batch)
+    buffer = io.BytesIO()  # through serialisation, as a checkpoint: no tensor shared with `first`
+    with cuda_on_cpu():
+        torch.save(first.state_dict(), buffer)
+    resumed = _megatron_learner(checkpoints["llama_tied"], "grpo",
+                                use_distributed_optimizer=use_distributed_optimizer)
+    buffer.seek(0)
+    with cuda_on_cpu():
+        resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    assert resumed.step_count == 1
+    want, got = _step(first, batch), _step(resumed, batch)
+    for name, weight in want.weights.items():
+        torch.testing.assert_close(got.weights[name], weight, rtol=0, atol=0, msg=name)
+
+
+def test_save_pretrained_writes_an_hf_directory_of_the_current_weights(
+        megatron_world: None, checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.learner.megatron_cpu import cuda_on_cpu
+
+    learner = _megatron_learner(checkpoints["qwen2"], "grpo")
+    trained = _step(learner, megatron_parity.parity_batch("qwen2")).weights
+    with cuda_on_cpu():
+        learner.save_pretrained(tmp_path / "export")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
+    assert set(reloaded) == set(trained)
+    for name, weight in trained.items():
+        torch.testing.assert_close(reloaded[name], weight, rtol=0, atol=0, msg=name)
+
+
+def test_objectives_needing_a_reference_model_are_refused(megatron_world: None,
+                                                          checkpoints: dict[str, Path]) -> None:
+    from learner.backends.megatron.learner import MegatronLearner
+    from tests.learner.megatron_cpu import cuda_on_cpu
+
+    algo = AlgoConfig.model_validate({"objective": {"type": "grpo"}, "group_size": 3, "kl_coef": 0.1})
+    with cuda_on_cpu(), pytest.raises(ValueError, match="kl_coef=0"):
+        MegatronLearner(checkpoints["llama_tied"], algo, megatron_parity.OPTIM, MegatronConfig(),
+                        micro_batch_tokens=64)
+
+
+def test_tensor_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    """TP = 2: every sharded quantity is gathered or summed back to the torch learner's value; VCPO's
+    ‖∇ℓ_i‖² is the sum of the two ranks' partial sums, the replicated RMSNorm weights counted once."""
+    _needs_megatron()
+    results = megatron_parity.run_tp_worker(
+        [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "tp2.pt")], timeout=300,
+        env={"OMP_NUM_THREADS": "1"})
+    batch = megatron_parity.parity_batch("llama_tied")
+    for name in ("grpo", "vcpo", "vcpo_reference"):  # the reference form needs whole norms too
+        got = results[name]
+        assert got["shards"] == [(80, 48), (80, 48)]  # the 160-token vocabulary split over the 2 ranks
+        want = megatron_parity.run_step(megatron_parity.torch_learner("llama_tied", name), batch)
+        _assert_same_step(megatron_parity.StepRecord(got["metrics"], got["sq_norms"], got["weights"]), want)
+    rank0, rank1 = results["vcpo"]["partials"]
+    assert (rank0 > 0).all() and (rank1 > 0).all()  # both shards carry part of every trajectory's norm
+    torch.testing.assert_close(rank0 + rank1, results["vcpo"]["sq_norms"], rtol=1e-6, atol=0)
+    # the check has teeth: counting the replicated weights twice would move every norm by more than 10×
+    # the tolerance (their share is ~2e-4 here)
+    replicated = _replicated_share("llama_tied", batch)
+    assert (replicated / want.sq_norms > 10 * NORM_RTOL).all()
+
+
+def test_data_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints: dict[str, Path],
+                                                                 tmp_path: Path) -> None:
+    """TP = 1, two data-parallel replicas (the 3 groups dealt 2 + 1): gradients summed over the replicas
+    — reduce-scattered into the distributed optimizer's shards for VCPO — give the torch learner's step;
+    the replicas end identical; each one's ‖∇ℓ_i‖² covers its own groups."""
+    _needs_megatron()
+    results = megatron_parity.run_tp_worker(
+        [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "dp2.pt"), "--layout=1,1,1"],
+        timeout=300, env={"OMP_NUM_THREADS": "1"})
+    batch = megatron_parity.parity_batch("llama_tied")
+    for name in ("grpo", "vcpo"):
+        got = results[name]
+        assert got["shards"] == [(160, 48), (160, 48)]  # TP = 1: every replica holds the whole model
+        replica0, replica1 = got["rank_weights"]
+        assert all(torch.equal(replica0[key], replica1[key]) for key in replica0)
+        metrics = dict(got["metrics"])
+        assert metrics.pop("train/dp_ranks") == 2 and metrics.pop("train/dp_max_rank_tokens_over_mean") > 1
+        want = megatron_parity.run_step(megatron_parity.torch_learner("llama_tied", name), batch)
+        sq_norms = None
+        if want.sq_norms is not None:
+            part0, part1 = got["rank_sq_norms"]
+            assert ((part0 > 0) ^ (part1 > 0)).all() and (part0 > 0).any() and (part1 > 0).any()
+            sq_norms = part0 + part1
+        _assert_same_step(megatron_parity.StepRecord(metrics, sq_norms, got["weights"]), want)
+
+
+@pytest.mark.parametrize(("kind", "stages"), [("llama_tied", 2), ("qwen2", 2), ("llama_tied", 3)])
+def test_pipeline_parallel_under_torchrun_matches_the_torch_learner(checkpoints: dict[str, Path], kind: str,
+                                                                   stages: int, tmp_path: Path) -> None:
+    """PP = 2 and 3 (one layer per stage; 3 has a middle stage that both receives and sends): hidden
+    states and their gradients sent between the stages, logits broadcast from the last. Every rank takes
+    the torch learner's step; VCPO's ‖∇ℓ_i‖² is the sum of the stages' partial sums. Tied (llama_tied):
+    the last stage's copy of the embedding gets the output layer's gradient, the two copies' gradients
+    are summed into the update and, before squaring, into the norm. Counting the copies apart in the
+    norm, or leaving their gradients unsummed, fails this test (both tried)."""
+    _needs_megatron()
+    hf_dir = (checkpoints[kind] if stages == 2
+              else megatron_parity.write_checkpoint(kind, tmp_path / f"{kind}-{stages}", layers=stages))
+    results = megatron_parity.run_tp_worker(
+        [str(hf_dir), kind, str(tmp_path / "pp.pt"), f"--layout=1,{stages},1"], timeout=300,
+        env={"OMP_NUM_THREADS": "1"}, ranks=stages)
+    batch = megatron_parity.parity_batch(kind, layers=stages)
+    for name in ("grpo", "vcpo"):
+        got = results[name]
+        assert got["layers"] == [1] * stages  # the layers split over the stages
+        # the embedding on the first stage, the output layer on the last, neither in between
+        assert got["shards"] == [(160, 48)] + [None] * (stages - 2) + [(160, 48)]
+        assert all(torch.equal(rank[key], weight) for rank in got["rank_weights"]
+                   for key, weight in got["weights"].items())  # every stage exports the same whole model
+        want = megatron_parity.run_step(megatron_parity.torch_learner(kind, name, layers=stages), batch)
+        _assert_same_step(megatron_parity.StepRecord(got["metrics"], got["sq_norms"], got["weights"]), want)
+    partials = results["vcpo"]["partials"]
+    assert all((partial > 0).all() for partial in partials)  # every stage carries part of every norm
+    torch.testing.assert_close(sum(partials), results["vcpo"]["sq_norms"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2"])
+def test_context_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints: dict[str, Path], kind: str,
+                                                                    tmp_path: Path) -> None:
+    """CP = 2: each rank runs half of every packed row (padded to even length), attention gathers the
+    keys and values of the whole row, the halves' target logits are gathered. The ranks' partial
+    gradients summed (DDP over the data × context group) give the torch learner's update; VCPO's
+    ‖∇ℓ_i‖² is of the summed per-trajectory gradient — the same on both ranks, not a sum of two shares."""
+    _needs_megatron()
+    results = megatron_parity.run_tp_worker(
+        [str(checkpoints[kind]), kind, str(tmp_path / "cp2.pt"), "--layout=1,1,2"], timeout=300,
+        env={"OMP_NUM_THREADS": "1"})
+    batch = megatron_parity.parity_batch(kind)
+    for name in ("grpo", "vcpo"):
+        got = results[name]
+        assert got["shards"] == [(160, 48), (160, 48)]  # CP keeps every weight whole on every rank
+        assert all(torch.equal(rank[key], weight) for rank in got["rank_weights"]
+                   for key, weight in got["weights"].items())
+        want = megatron_parity.run_step(megatron_parity.torch_learner(kind, name), batch)
+        _assert_same_step(megatron_parity.StepRecord(got["metrics"], got["sq_norms"], got["weights"]), want)
+    rank0, rank1 = results["vcpo"]["rank_sq_norms"]
+    torch.testing.assert_close(rank0, rank1, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["1,2,2", "2,2,1"])
+def test_combined_layouts_with_tied_weights_match_the_torch_learner(checkpoints: dict[str, Path], layout: str,
+                                                                    tmp_path: Path) -> None:
+    """4 ranks, TP,PP,CP = 1,2,2: each stage's chunk goes to the same CP rank of the next stage, the tied
+    embedding's copies summed after the CP sum; 2,2,1: the vocabulary shards of the embedding and of the
+    last stage's copy of it pair up rank by rank."""
+    _needs_megatron()
+    results = megatron_parity.run_tp_worker(
+        [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "combined.pt"), f"--layout={layout}"],
+        timeout=300, env={"OMP_NUM_THREADS": "1"}, ranks=4)
+    batch = megatron_parity.parity_batch("llama_tied")
+    for name in ("grpo", "vcpo"):
+        got = results[name]
+        want = megatron_parity.run_step(megatron_parity.torch_learner("llama_tied", name), batch)
+        _assert_same_step(megatron_parity.StepRecord(got["metrics"], got["sq_norms"], got["weights"]), want)
+
+
+def _replicated_share(kind: str, batch: StepInput) -> torch.Tensor:
+    """Per trajectory, the part of the torch learner's ‖∇ℓ_i‖² from the 1-D (RMSNorm) weights, which
+    every TP rank holds whole."""
+    learner = megatron_parity.torch_learner(kind, "vcpo")
+    microbatches = learner._pack(learner._tokens(batch))
+    replicated = [p for p in learner.model.parameters() if p.ndim == 1]
+    shares = torch.zeros(len(batch.trajectories))
+    for mb in microbatches:
+        for j in range(mb.num_trajectories):
+            single = mb.select(j)
+            loglik = trajectory_logliks(packed_target_logprobs(learner.model, single), single)[0]
+            grads = torch.autograd.grad(loglik, replicated)
+            shares[int(mb.trajectory_indices[j])] = sum(float(g.square().sum()) for g in grads)
+    return shares
+
+
+def test_building_the_megatron_backend_without_cuda_says_what_to_do(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the refusal is for CPU-only machines")
+    from learner.train.build import build_learner
+
+    config = RunConfig.model_validate({"learner": {"backend": "megatron"}})
+    with pytest.raises(ValueError, match=r"learner\.backend='torch'"):
+        build_learner(config, task=None, cache_dir=tmp_path)  # type: ignore[arg-type]

@@ -1,0 +1,240 @@
+"""The torch learner's step: VCPO's packed exact-norm gradient equals autograd of the VCPO objective
+with brute-force norms; every objective trains; filters and poisoned batches behave."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from configs.schema import AlgoConfig, OptimConfig
+from learner.backends.torch_learner import StepInput, TorchLearner, lr_at
+from learner.forward.packing import TrajectoryTokens
+from learner.forward.varlen_attention import register_varlen_sdpa
+from learner.traj_grads.reference import trajectory_loglik
+from rollout.trajectory import Trajectory, TrajectoryVersions
+from tests.learner.conftest import capture_grads, random_trajectories, tiny_model
+from vcpo.objectives import PolicyLossInputs
+
+
+def _as_trajectories(tokens: list[TrajectoryTokens], seed: int = 0) -> tuple[list[Trajectory], list[int]]:
+    rng = random.Random(seed)
+    out, groups = [], []
+    for i, t in enumerate(tokens):
+        logprobs = tuple(-rng.uniform(0.5, 6.0) if m else 0.0 for m in t.loss_mask)
+        out.append(Trajectory(trajectory_id=f"t{i}", group_id=str(t.group_id), token_ids=tuple(t.token_ids),
+                              loss_mask=tuple(t.loss_mask), behavior_logprobs=logprobs,
+                              versions=TrajectoryVersions(start=0, end=0), reward=float(rng.random() < 0.5)))
+        groups.append(t.group_id)
+    return out, groups
+
+
+def _learner(algo: AlgoConfig, seed: int = 0, micro_batch_tokens: int = 64) -> TorchLearner:
+    model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa(), seed=seed).train()
+    return TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=micro_batch_tokens)
+
+
+def _padded_logprobs(model: torch.nn.Module, tokens: list[TrajectoryTokens]) -> torch.Tensor:
+    """(B, width) log π of each trajectory's sampled tokens, unpacked forward, in order."""
+    rows = []
+    for t in tokens:
+        ids = torch.tensor(list(t.token_ids)).unsqueeze(0)
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()
+        all_lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        rows.append(all_lp[torch.tensor(list(t.loss_mask[1:]))])
+    width = max(r.numel() for r in rows)
+    return torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [64, 4096])  # groups over several micro-batches / one
+def test_vcpo_step_gradient_equals_autograd_of_the_objective_with_exact_norms(
+    micro_batch_tokens: int,
+) -> None:
+    tokens = random_trajectories(num_groups=3, per_group=3, seed=1)
+    trajectories, groups = _as_trajectories(tokens)
+    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo", "is_cap": 2.0}, "group_size": 3})
+    learner = _learner(algo, micro_batch_tokens=micro_batch_tokens)
+    grads = capture_grads(learner)
+    lags = [0] * len(tokens)
+    learner.step(StepInput(trajectories, groups, lags, [True] * len(tokens)))
+
+    # reference: brute-force ‖∇ℓ_i‖² and one autograd pass through the VCPO objective
+    model = learner.model
+    norms = []
+    for t in tokens:
+        loglik = trajectory_loglik(model, t, "mean")
+        g = torch.autograd.grad(loglik, list(model.parameters()), allow_unused=True)
+        norms.append(sum(float((x.float() ** 2).sum()) for x in g if x is not None))
+    logprobs = _padded_logprobs(model, tokens)
+    width = logprobs.shape[1]
+    mask = torch.zeros_like(logprobs, dtype=torch.bool)
+    behavior = torch.zeros_like(logprobs)
+    for i, t in enumerate(trajectories):
+        sampled = [lp for lp, m in zip(t.behavior_logprobs, t.loss_mask, strict=True) if m]
+        mask[i, : len(sampled)] = True
+        behavior[i, : len(sampled)] = torch.tensor(sampled)
+    del width
+    inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=logprobs.detach(), behavior_logprobs=behavior,
+                              loss_mask=mask, rewards=torch.tensor([t.reward for t in trajectories]),
+                              group_ids=torch.tensor(groups), seq_sq_grad_norms=torch.tensor(norms))
+    model.zero_grad(set_to_none=True)
+    learner.objective(inputs).loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+ALL_OBJECTIVES = ["grpo", "dr_grpo", "rloo", "reinforce", "token_tis", "seq_tis", "mis", "m2po", "bapo",
+                  "gspo", "cispo", "tba", "otb", "vcpo"]
+
+
+@pytest.mark.parametrize("objective", ALL_OBJECTIVES)
+def test_every_supported_objective_takes_a_finite_step_that_changes_the_weights(objective: str) -> None:
+    tokens = random_trajectories(num_groups=2, per_group=4, seed=2)
+    trajectories, groups = _as_trajectories(tokens, seed=3)
+    algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": 4})
+    learner = _learner(algo)
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    metrics = learner.step(StepInput(trajectories, groups, [1] * len(tokens), [True] * len(tokens)))
+    assert math.isfinite(metrics["grad/norm"]) and metrics["grad/norm"] > 0
+    assert metrics["staleness/mean"] == 1.0
+    assert 0 < metrics["is/ess_ratio"] <= 1.0
+    assert any(not torch.equal(b, p) for b, p in zip(before, learner.model.parameters(), strict=True))
+
+
+def _on_policy_group(model: torch.nn.Module, good: list[int], bad: list[int], mask: list[bool]
+                     ) -> list[Trajectory]:
+    """Two rewarded and two unrewarded samples with the model's own log-probs as behaviour."""
+    out = []
+    for i, (ids, reward) in enumerate([(good, 1.0), (bad, 0.0), (bad, 0.0), (good, 1.0)]):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+        lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        behavior = tuple(float(lp[j - 1]) if m else 0.0 for j, m in enumerate(mask))
+        out.append(Trajectory(trajectory_id=f"t{i}", group_id="0", token_ids=tuple(ids),
+                              loss_mask=tuple(mask), behavior_logprobs=behavior,
+                              versions=TrajectoryVersions(start=0, end=0), reward=reward))
+    return out
+
+
+@pytest.mark.parametrize(("objective", "autocast"), [*((o, None) for o in ALL_OBJECTIVES),
+                                                     ("vcpo", torch.bfloat16), ("grpo", torch.bfloat16)])
+def test_on_policy_steps_make_the_rewarded_answer_more_likely(objective: str, autocast: torch.dtype | None
+                                                              ) -> None:
+    # the sign test: whatever else an objective does, ascending it on on-policy samples must raise
+    # the likelihood of the rewarded answer relative to the unrewarded one (also with bf16 autocast)
+    model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa(), seed=0).train()
+    algo = AlgoConfig.model_validate({"objective": {"type": objective}, "ess_lr": {"enabled": False},
+                                      "group_size": 4})
+    learner = TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=4096,
+                           autocast_dtype=autocast)
+    prompt, mask = [5, 6, 7, 8], [False] * 4 + [True] * 3
+    good, bad = [*prompt, 10, 11, 12], [*prompt, 20, 21, 22]
+
+    def margin() -> float:
+        with torch.no_grad():
+            return float(trajectory_loglik(model, TrajectoryTokens(good, mask, group_id=0), "sum")
+                         - trajectory_loglik(model, TrajectoryTokens(bad, mask, group_id=0), "sum"))
+
+    before = margin()
+    for _ in range(3):
+        learner.step(StepInput(_on_policy_group(model, good, bad, mask), [0] * 4, [0] * 4, [True] * 4))
+    assert margin() > before + 0.1
+
+
+@pytest.mark.parametrize("objective", ["vcpo", "grpo", "token_tis"])
+def test_bf16_autocast_step_is_the_fp32_step_up_to_bf16_rounding(objective: str) -> None:
+    """learner.autocast=bfloat16: gradients within bf16 rounding of the fp32 ones (and not equal to
+    them: autocast was in effect), while the proximal pass stays fp32, so every IS statistic — hence
+    the step size and VCPO's coefficients — is identical."""
+    tokens = random_trajectories(num_groups=2, per_group=4, seed=2)
+    trajectories, groups = _as_trajectories(tokens, seed=3)
+    algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": 4})
+    step = StepInput(trajectories, groups, [1] * len(tokens), [True] * len(tokens))
+    exact, mixed = _learner(algo), _learner(algo)
+    mixed.autocast_dtype = torch.bfloat16
+    exact_grads, mixed_grads = capture_grads(exact), capture_grads(mixed)
+    exact_metrics, mixed_metrics = exact.step(step), mixed.step(step)
+    for key in ("is/ess_ratio", "is/w_max", "lr/scale", "is/log_w_mean"):
+        assert mixed_metrics[key] == exact_metrics[key], key
+    errors = {name: float((mixed_grads[name] - grad).norm() / grad.norm())
+              for name, grad in exact_grads.items() if grad.norm() > 0}
+    assert max(errors.values()) < 5e-2, errors
+    assert max(errors.values()) > 1e-4
+    assert all(g.dtype == torch.float32 for g in mixed_grads.values())
+
+
+@pytest.mark.parametrize("autocast_proximal", [False, True])
+def test_autocast_keeps_on_policy_ratios_exact_unless_the_proximal_pass_is_bf16_too(
+    autocast_proximal: bool,
+) -> None:
+    model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa(), seed=0).train()
+    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo"}, "group_size": 4})
+    learner = TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=4096,
+                           autocast_dtype=torch.bfloat16, autocast_proximal=autocast_proximal)
+    prompt, mask = [5, 6, 7, 8], [False] * 4 + [True] * 3
+    group = _on_policy_group(model, [*prompt, 10, 11, 12], [*prompt, 20, 21, 22], mask)  # fp32 behaviour
+    metrics = learner.step(StepInput(group, [0] * 4, [0] * 4, [True] * 4))
+    if autocast_proximal:
+        assert metrics["is/log_w_mean"] != 0.0 and metrics["is/ess_ratio"] < 1.0
+    else:
+        assert metrics["is/ess_ratio"] == pytest.approx(1.0, abs=1e-6)
+        assert metrics["is/log_w_mean"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_otb_statistics_match_a_full_softmax() -> None:
+    from learner.forward.logprobs import packed_target_stats
+    from learner.forward.packing import build_microbatch, plan_microbatches
+
+    model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa(), seed=1)
+    tokens = random_trajectories(num_groups=2, per_group=2, seed=5)
+    plan = plan_microbatches([len(t.token_ids) for t in tokens], [t.group_id for t in tokens], 10_000)
+    mb = build_microbatch(tokens, plan[0], "mean")
+    chosen, sum_sq = packed_target_stats(model, mb)
+    expected_lp, expected_sq = [], []
+    for t in (tokens[i] for i in mb.trajectory_indices.tolist()):
+        with torch.no_grad():
+            probs = torch.softmax(model(input_ids=torch.tensor([list(t.token_ids)]), use_cache=False)
+                                  .logits[0].float(), -1)
+        for pos in range(1, len(t.token_ids)):
+            if t.loss_mask[pos]:
+                expected_lp.append(float(probs[pos - 1, t.token_ids[pos]].log()))
+                expected_sq.append(float((probs[pos - 1] ** 2).sum()))
+    torch.testing.assert_close(chosen, torch.tensor(expected_lp), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sum_sq, torch.tensor(expected_sq), rtol=1e-4, atol=1e-6)
+
+
+def test_untrained_trajectories_contribute_no_gradient() -> None:
+    tokens = random_trajectories(num_groups=2, per_group=3, seed=4)
+    trajectories, groups = _as_trajectories(tokens)
+    algo = AlgoConfig.model_validate({"objective": {"type": "grpo"}, "group_size": 3})
+    learner = _learner(algo)
+    grads = capture_grads(learner)
+    learner.step(StepInput(trajectories, groups, [0] * 6, [False] * 6))
+    assert all(float(g.abs().sum()) == 0.0 for g in grads.values())
+
+
+def test_lr_schedule_warms_up_then_decays() -> None:
+    optim = OptimConfig(lr=1.0, warmup_steps=2, schedule="linear", total_steps=6)
+    # warm-up: (step+1)/2 → 0.5, 1.0; then 1 − (step−2)/4 → 1, .75, .5, .25
+    assert [lr_at(optim, s) for s in range(6)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "autocast"), [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.float32, torch.bfloat16)])
+def test_cuda_learner_takes_vcpo_and_grpo_steps(dtype: torch.dtype, autocast: torch.dtype | None) -> None:
+    """GPU smoke test: the same steps on CUDA (fp32 weights, bf16 weights, fp32 weights under bf16
+    autocast) give finite metrics and move the weights."""
+    tokens = random_trajectories(num_groups=2, per_group=4, seed=5)
+    trajectories, groups = _as_trajectories(tokens, seed=6)
+    for objective in ("vcpo", "grpo"):
+        algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": 4})
+        model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa()).to("cuda", dtype).train()
+        learner = TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=64,
+                               autocast_dtype=autocast)
+        before = [p.detach().clone() for p in model.parameters()]
+        metrics = learner.step(StepInput(trajectories, groups, [1] * len(tokens), [True] * len(tokens)))
+        assert math.isfinite(metrics["grad/norm"]) and metrics["grad/norm"] > 0
+        assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))

@@ -1,0 +1,60 @@
+"""`vcpo trend`: block statistics, the least-squares success trend and its step bootstrap."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from learner.cli import main
+from learner.observability.trend import TrendError, reward_trend
+
+
+def _write_run(run_dir: Path, successes_per_step: list[int], per_step: int = 8, torn: bool = False) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step, wins in enumerate(successes_per_step, start=1):
+        for i in range(per_step):
+            lines.append(json.dumps({"step": step, "reward": 1.0 if i < wins else 0.1, "text": "…"}) + "\n")
+    if torn:
+        lines.append('{"step": 99, "rew')
+    (run_dir / "trajectories.jsonl").write_text("".join(lines), encoding="utf-8")
+    return run_dir
+
+
+def test_blocks_and_the_exact_slope_of_a_linear_success_rate(tmp_path: Path) -> None:
+    # success rate (step − 1)/8 over steps 1..8: +1/8 per step = +12.5 (a rate change) per 100 steps
+    run = _write_run(tmp_path / "run", list(range(8)), torn=True)  # a torn last line is dropped
+    result = reward_trend(run, block=4, resamples=200)
+    assert result["steps"] == 8 and result["episodes"] == 64
+    assert result["blocks"][0] == {"steps": [1, 4], "episodes": 32, "reward_mean": pytest.approx(
+        (6 * 1.0 + 26 * 0.1) / 32, abs=1e-4), "successes": 6, "success_rate": pytest.approx(6 / 32, abs=1e-4)}
+    assert result["last_block"]["successes"] == 4 + 5 + 6 + 7
+    assert result["success_rate_change_per_100_steps"] == pytest.approx(12.5)
+    low, high = result["ci95_change_per_100_steps"]
+    assert 0 < low <= high
+
+
+def test_a_flat_run_has_an_interval_around_zero(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "run", [1, 3, 0, 2, 3, 1, 0, 2, 1, 3, 2, 0, 3, 1, 2, 0] * 3)
+    low, high = reward_trend(run, resamples=500)["ci95_change_per_100_steps"]
+    assert low < 0 < high
+
+
+def test_missing_or_damaged_logs_are_named(tmp_path: Path) -> None:
+    with pytest.raises(TrendError, match=r"trajectories\.jsonl does not exist"):
+        reward_trend(tmp_path)
+    run = _write_run(tmp_path / "run", [1, 2])
+    with (run / "trajectories.jsonl").open("a") as handle:
+        handle.write("not json\n" + json.dumps({"step": 3, "reward": 1.0}) + "\n")
+    with pytest.raises(TrendError, match=r"trajectories.jsonl:17 is not a trajectory record"):
+        reward_trend(run)
+
+
+def test_cli_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _write_run(tmp_path / "run", [0, 1, 2, 3])
+    assert main(["trend", str(run), "--block", "2", "--resamples", "50"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [b["successes"] for b in result["blocks"]] == [1, 5]
+    assert main(["trend", str(tmp_path / "nowhere")]) == 2

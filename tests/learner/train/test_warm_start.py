@@ -1,0 +1,87 @@
+"""The cold-start SFT: solver-written tool episodes (prompt and observation loss-masked, the boxed
+equation correct), the SFT lowers the loss on them and is cached, and `vcpo train` with
+`warm_start.enabled` starts RL from the warm-started model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent_env.countdown import score_expression
+from agent_env.datasets import load_samples
+from agent_env.turns import find_boxed
+from configs.schema import RunConfig
+from learner.observability.metrics_log import read_metrics
+from learner.train.checkpointing import latest_checkpoint, load_checkpoint
+from learner.train.compose import load_task
+from learner.train.warm_start import demonstrations, run_warm_start, warm_start_dir
+from rollout.tiny import build_byte_tokenizer
+from tests.learner.train.test_train_e2e import _vcpo, _write_configs, needs_bwrap
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _task():
+    return load_task(ROOT / "configs" / "tasks" / "countdown.yaml", ["dataset.num_samples=40"])
+
+
+def test_demonstrations_are_correct_tool_episodes_with_masked_prompt_and_observation() -> None:
+    task, path = _task()
+    samples = load_samples(task, which="train", task_dir=path.parent).samples
+    tokenizer = build_byte_tokenizer()
+    demos = demonstrations(task, samples, tokenizer, count=5, seed=0)
+    assert len(demos) == 5
+    for (ids, mask), sample in zip(demos, reversed(samples), strict=False):  # from the end of the set
+        text = tokenizer.decode(ids)
+        trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        untrained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+        assert "```output\n" in untrained and "```output" not in trained  # the observation is masked
+        assert "Using the numbers" in untrained and "Using the numbers" not in trained
+        assert "```python\nprint(" in trained and trained.endswith("<|im_end|>")
+        equation = find_boxed(text)
+        assert equation is not None
+        assert score_expression(equation, sample.answer["numbers"], sample.answer["target"])
+
+
+def test_warm_start_lowers_the_loss_and_is_cached(tmp_path: Path, tiny_model_dir: Path) -> None:
+    task, path = _task()
+    config = RunConfig.model_validate({"model": {"path": str(tiny_model_dir)}, "task": str(path),
+                                       "warm_start": {"enabled": True, "examples": 8, "epochs": 3,
+                                                      "lr": 3e-3, "batch_size": 4}})
+    out = run_warm_start(config, task, path, tmp_path)
+    assert out == warm_start_dir(config, task, tmp_path) and (out / "model.safetensors").is_file()
+    report = json.loads((out / "warm_start.json").read_text())
+    assert report["examples"] == 8 and report["last_loss"] < report["first_loss"]
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert run_warm_start(config, task, path, tmp_path) == out  # cached: not trained again
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_warm_start_under_bf16_autocast_lowers_the_loss_and_has_its_own_cache(tmp_path: Path,
+                                                                              tiny_model_dir: Path) -> None:
+    task, path = _task()
+    fields = {"model": {"path": str(tiny_model_dir)}, "task": str(path),
+              "warm_start": {"enabled": True, "examples": 8, "epochs": 3, "lr": 3e-3, "batch_size": 4}}
+    config = RunConfig.model_validate({**fields, "warm_start": {**fields["warm_start"],
+                                                                 "autocast": "bfloat16"}})
+    out = run_warm_start(config, task, path, tmp_path)
+    assert out != warm_start_dir(RunConfig.model_validate(fields), task, tmp_path)  # fp32 SFT: another model
+    report = json.loads((out / "warm_start.json").read_text())
+    assert report["last_loss"] < report["first_loss"]
+
+
+@needs_bwrap
+def test_train_with_warm_start_runs_rl_from_the_warm_model(tmp_path: Path, tiny_model_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VCPO_CACHE_DIR", str(tmp_path / "cache"))
+    warm_start = {"enabled": True, "examples": 4, "epochs": 1, "batch_size": 4}
+    config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=2, extra={"warm_start": warm_start})
+    result = _vcpo("train", str(config), "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    warm = list((tmp_path / "cache" / "models" / "warm_start").glob("*/warm_start.json"))
+    assert len(warm) == 1
+    _, meta = load_checkpoint(latest_checkpoint(tmp_path / "run"), map_location="cpu")
+    assert meta["config"]["model"]["path"] == str(warm[0].parent)  # RL ran from the warm-started model
+    assert len(read_metrics(tmp_path / "run")) == 2

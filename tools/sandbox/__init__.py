@@ -1,0 +1,7 @@
+"""The local Python sandbox (`local_sandbox.LocalPythonSandbox`, tool type `python`): bubblewrap
+isolation (`_bwrap`, `_seccomp`), the process that runs inside it (`_sandbox_runner`), launching and
+talking to it (`_launcher`, `_sandbox_process`, `_outcome`), a warm pool (`_warm_pool`), and
+`vcpo bench sandbox` (`bench`). Underscored modules are internals.
+
+May import: the top of `tools` (`base`, `settings`, `_output`).
+"""
