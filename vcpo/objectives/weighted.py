@@ -173,7 +173,7 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
                                 f"{sorted(REFERENCE_AGGREGATION_MODES)}, not {self.loss_aggregation!r}")
         return problems
 
-    # --- the pieces the learner's two-buffer gradient uses too (learner/torch_learner.py) ---------
+    # --- the pieces the learner's two-buffer gradient uses too (learner/backends/torch_learner.py) ---------
 
     def baseline_weights(self, sq_grad_norms: Tensor, weights: Tensor, truncated: Tensor,
                          num_tokens: Tensor) -> Tensor:
