@@ -7,11 +7,35 @@ engine mutates a record from one thread at a time (its worker between steps, or 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rollout.types import FinishReason, GenerationRequest, GenerationResult, GenerationTimings
+
+
+class TokenTally:
+    """A running count of tokens sampled in this process, by every engine that records its requests
+    in `GenerationProgress` (HF, vLLM, SGLang, the fakes). It is what a live display shows while
+    episodes are still in flight — a result only arrives when a whole turn is done, and one turn of
+    a long-horizon task can take minutes on a CPU. Thread-safe: engines extend from worker threads."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def add(self, count: int) -> None:
+        with self._lock:
+            self._count += count
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+
+SAMPLED_TOKENS = TokenTally()
+"""Tokens sampled in this process so far (display only: never part of a result or a metric)."""
 
 
 @dataclass(eq=False)
@@ -44,6 +68,7 @@ class GenerationProgress:
         self.token_ids.extend(token_ids)
         self.logprobs.extend(logprobs)
         self.versions.extend([version] * len(token_ids))
+        SAMPLED_TOKENS.add(len(token_ids))
 
     def finish(self, finish_reason: FinishReason, stop_reason: str | int | None = None) -> None:
         """Mark the request ended; a stop without a reason (EOS) reports the last token id."""

@@ -37,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from agent_env.datasets import DatasetError
     from agent_env.rewards import RewardConfigError
     from configs.loader import ConfigError
+    from learner.observability.console import terminal
     from learner.train.checkpointing import CheckpointWriteError
     from rollout.errors import EngineError, EngineUnavailable
     from rollout.models import ModelLoadError
@@ -51,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         http = getattr(exc, "http", None)
         if http is None and not isinstance(exc, user_errors):
             raise
-        print(f"error: {http or exc}", file=sys.stderr)
+        print(f"error: {http or exc}", file=terminal())
         return 2
 
 
@@ -277,10 +278,12 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     import asyncio
+    import contextlib
 
     from configs.loader import load_config, write_resolved_config
     from configs.schema import RunConfig
     from learner.launch.run import run_training
+    from learner.observability.console import divert_library_output
     from learner.train.compose import engine_settings, load_task
 
     config = load_config(args.config, RunConfig, args.overrides)
@@ -290,8 +293,20 @@ def _train(args: argparse.Namespace) -> int:
     write_resolved_config(config, run_dir)
     write_resolved_config(task, run_dir, name="task.yaml")
     cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else _cache_dir()
-    summary = asyncio.run(run_training(config, task, task_path, settings, cache_dir, run_dir,
-                                       progress=not args.no_progress, stop_after_step=args.stop_after_step))
+    library_log = None if args.verbose else run_dir / "logs" / "libraries.log"
+    try:
+        with contextlib.ExitStack() as stack:
+            if library_log is not None:  # engine and library output to a file; -v keeps it on the terminal
+                console = stack.enter_context(divert_library_output(library_log))
+                print(f"vcpo train: engine and library output → {library_log} (-v shows it here)",
+                      file=console)
+            summary = asyncio.run(run_training(config, task, task_path, settings, cache_dir, run_dir,
+                                               progress=not args.no_progress,
+                                               stop_after_step=args.stop_after_step))
+    except BaseException:
+        if library_log is not None:  # the terminal again: the libraries' last words are in the file
+            print(f"(engine and library output of this run: {library_log})", file=sys.stderr)
+        raise
     first = sum(summary.first_rewards) / max(1, len(summary.first_rewards))
     last = sum(summary.last_rewards) / max(1, len(summary.last_rewards))
     print(f"trained {summary.steps} steps in {summary.wall_s:.0f} s; reward (mean of step means) first "

@@ -142,6 +142,10 @@ class RayRolloutPool:
         return {"rollout/skipped_samples": self.skipped_samples, "rollout/reward_errors": errors,
                 "rollout/regenerated_groups": self.regenerated_groups}
 
+    def live_counts(self) -> None:
+        """The episodes run in the rollout actors' processes: the live line shows only the phase."""
+        return None
+
     # WeightTarget: each worker pauses itself around its own reload
     async def pause(self) -> None:
         return None

@@ -5,12 +5,12 @@ asks for it, then the run itself in this process (`launcher: local`) or across a
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
+from learner.observability.console import terminal
 from learner.train.trainer import TrainSummary
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ async def run_training(
     if config.warm_start.enabled:  # cold-start SFT first (cached); RL then starts from that model
         from learner.train.warm_start import run_warm_start
 
-        report = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else log.info
+        report = (lambda line: print(line, file=terminal(), flush=True)) if progress else log.info
         warm = run_warm_start(config, task, task_path, cache_dir, report)
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(warm)})})
     if config.launcher == "ray":

@@ -1,8 +1,9 @@
 """A one-line live view of training for the terminal: step/total, reward, ESS, lr scale, policy lag,
-throughput and elapsed time.
+throughput and elapsed time — and, between steps, what is happening now (episodes done and running,
+tokens sampled, or the learner step), so a long step still shows movement.
 
-`format_progress` is the pure formatting; `ProgressLine` decides when and how to write it: on a TTY
-it rewrites one line in place (`\\r`) at every update, elsewhere (log files, CI) it writes a plain
+`format_progress` and `format_activity` are the pure formatting; `ProgressLine` decides when and how
+to write: on a TTY it rewrites one line in place (`\\r`), elsewhere (log files, CI) it writes a plain
 line at most every `interval_s` seconds plus the final step. It records nothing: metrics.jsonl is
 the record (learner.observability.metrics_log).
 """
@@ -10,12 +11,12 @@ the record (learner.observability.metrics_log).
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, TextIO
 
+from learner.observability.console import terminal
 from learner.observability.metric_names import (
     IS_ESS_RATIO,
     LR_SCALE,
@@ -74,8 +75,29 @@ def format_progress(step: int, total_steps: int, metrics: Mapping[str, Any], *,
     return " | ".join(parts)
 
 
+def format_activity(step: int, *, phase: str, since_s: float, episodes_done: int | None = None,
+                    episodes_total: int | None = None, episodes_running: int | None = None,
+                    tokens: int | None = None) -> str:
+    """What step `step` is doing now, e.g. 'step 4: rollouts 10 episodes done (16 per step), 6 running,
+    12.3k tokens sampled (93 tok/s), 0:02:13' or 'step 4: learner step, 0:00:20'. Counts are since the
+    phase began (with k > 0 some episodes belong to later steps); None (not known in this process,
+    e.g. Ray's remote workers) is left out."""
+    parts: list[str] = []
+    if phase == "rollouts":
+        if episodes_done is not None:
+            parts.append(f"{episodes_done} episodes done" + (f" ({episodes_total} per step)"
+                                                               if episodes_total else ""))
+        if episodes_running is not None:
+            parts.append(f"{episodes_running} running")
+        if tokens is not None:
+            rate = f" ({_rate(tokens / since_s)} tok/s)" if since_s > 0 else ""
+            parts.append(f"{_rate(tokens)} tokens sampled{rate}")
+    detail = (" " + ", ".join(parts)) if parts else ""
+    return f"step {step}: {phase}{detail}, {_duration(since_s)}"
+
+
 class ProgressLine:
-    """Writes `format_progress` to `stream` (default: sys.stderr at construction).
+    """Writes `format_progress` to `stream` (default: the terminal at construction, `console.terminal()`).
 
     On a TTY every `update` rewrites the line in place; otherwise a line is written at the first
     update, then once `interval_s` has passed since the last written one, and at the final step.
@@ -85,25 +107,45 @@ class ProgressLine:
     def __init__(self, total_steps: int, stream: TextIO | None = None, *, interval_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.total_steps = total_steps
-        self._stream = stream if stream is not None else sys.stderr
+        self._stream = stream if stream is not None else terminal()
         self._is_tty = bool(getattr(self._stream, "isatty", lambda: False)())
         self._interval_s = interval_s
         self._clock = clock
         self._start_s = clock()
-        self._last_written_s: float | None = None
+        self._last_written_s: float | None = None  # any line
+        self._last_step_written_s: float | None = None  # a step's line (activity never delays one)
         self._width = 0  # longest line written in place, to blank out a shorter successor
+        self._last_step_text = ""
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         now = self._clock()
         text = format_progress(step, self.total_steps, metrics, elapsed_s=now - self._start_s)
+        self._last_step_text = text
         if self._is_tty:
             self._stream.write("\r" + text.ljust(self._width))
             self._width = max(self._width, len(text))
-        elif (self._last_written_s is None or now - self._last_written_s >= self._interval_s
+        elif (self._last_step_written_s is None or now - self._last_step_written_s >= self._interval_s
               or step >= self.total_steps):
             self._stream.write(text + "\n")
+            self._last_step_written_s = now
         else:
             return
+        self._last_written_s = now
+        self._stream.flush()
+
+    def activity(self, text: str) -> None:
+        """Show what is happening inside a step (`format_activity`): on a TTY after the last step's
+        line, in place; elsewhere as its own line, at most every `interval_s` (as step lines)."""
+        now = self._clock()
+        if self._is_tty:
+            line = f"{self._last_step_text} | {text}" if self._last_step_text else text
+            self._stream.write("\r" + line.ljust(self._width))
+            self._width = max(self._width, len(line))
+        else:  # after `interval_s` with no line at all (counting from the start), not at once
+            quiet_since = self._last_written_s if self._last_written_s is not None else self._start_s
+            if now - quiet_since < self._interval_s:
+                return
+            self._stream.write(f"  ... {text}\n")
         self._last_written_s = now
         self._stream.flush()
 

@@ -41,7 +41,7 @@ from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
 from learner.backends.torch_learner import StepInput
 from learner.observability.metrics_log import MetricsLogger
-from learner.observability.progress import ProgressLine
+from learner.observability.progress import ProgressLine, format_activity
 from learner.train.checkpointing import (
     latest_checkpoint,
     load_checkpoint,
@@ -52,6 +52,7 @@ from learner.train.checkpointing import (
 from rollout.base import InferenceEngine
 from rollout.errors import EngineUnavailable
 from rollout.manager import GroupTicket, RolloutManager, RunGroup, WeightTarget
+from rollout.progress import SAMPLED_TOKENS
 from rollout.trajectory import Trajectory
 from tools.base import Tool, ToolUnavailableError
 
@@ -88,6 +89,15 @@ def episode_settings(task: TaskConfig, seed: int | None = None, *, for_eval: boo
     )
 
 
+@dataclass(frozen=True)
+class LiveCounts:
+    """What the rollout side has done so far in this process (running totals)."""
+
+    episodes_finished: int
+    episodes_running: int
+    tokens_sampled: int
+
+
 @dataclass
 class TaskRuntime:
     """Everything needed to run episodes of one task (built by the composition root)."""
@@ -102,6 +112,8 @@ class TaskRuntime:
     reward_errors: int = 0
     """Episodes whose reward function failed (scored 0, counted, never fatal)."""
     prompt_cache: dict[str, list[int]] = field(default_factory=dict)
+    episodes_running: int = 0
+    episodes_finished: int = 0
 
     def prompt_ids(self, sample: Sample) -> list[int]:
         if sample.sample_id not in self.prompt_cache:
@@ -111,13 +123,22 @@ class TaskRuntime:
 
     async def episode(self, sample: Sample, settings: EpisodeSettings, trajectory_id: str,
                       group_id: str) -> Episode:
-        episode = await run_episode(
-            self.engine, self.tokenizer, self.prompt_ids(sample), settings,
-            lambda text: self.reward(text, sample), tool=self.tool, trajectory_id=trajectory_id,
-            group_id=group_id, task_name=self.task.name, sample_id=sample.sample_id)
+        self.episodes_running += 1
+        try:
+            episode = await run_episode(
+                self.engine, self.tokenizer, self.prompt_ids(sample), settings,
+                lambda text: self.reward(text, sample), tool=self.tool, trajectory_id=trajectory_id,
+                group_id=group_id, task_name=self.task.name, sample_id=sample.sample_id)
+        finally:
+            self.episodes_running -= 1
+        self.episodes_finished += 1
         if getattr(episode.reward_info, "error", None):
             self.reward_errors += 1
         return episode
+
+    def live_counts(self) -> LiveCounts:
+        """Episodes finished and running, tokens sampled: for the live progress line, not a metric."""
+        return LiveCounts(self.episodes_finished, self.episodes_running, SAMPLED_TOKENS.count)
 
     def group_runner(self, group_size: int, seed: int) -> RunGroup:
         """The rollout manager's `run_group`: `group_size` episodes of the ticket's prompt, here."""
@@ -141,6 +162,10 @@ class RolloutRuntime(Protocol):
     def group_runner(self, group_size: int, seed: int) -> RunGroup: ...
 
     def counters(self) -> dict[str, float]: ...
+
+    def live_counts(self) -> LiveCounts | None:
+        """Running totals for the live progress line; None where they are not known here (Ray)."""
+        ...
 
 
 class Learner(Protocol):
@@ -171,6 +196,43 @@ def _group_runner(runtime: TaskRuntime, group_size: int, seed: int) -> RunGroup:
         return [task.result().trajectory for task in tasks]
 
     return run_group
+
+
+class LiveActivity:
+    """Between step lines, the progress line shows what the current step is doing (`activity` ticks
+    every `tick_s`): waiting for rollouts — episodes finished and running, tokens sampled since the
+    phase began — or the learner step, or the weight push. A step of a long-horizon task can take
+    many minutes on a CPU, and a display that moves only when a step ends looks hung."""
+
+    def __init__(self, display: ProgressLine, runtime: RolloutRuntime, episodes_per_step: int,
+                 tick_s: float = 1.0) -> None:
+        self.display, self.runtime, self.tick_s = display, runtime, tick_s
+        self.episodes_per_step = episodes_per_step
+        self.step, self.phase = 0, "starting"
+        self._since = time.monotonic()
+        self._start_counts: LiveCounts | None = self._counts()
+
+    def _counts(self) -> LiveCounts | None:
+        return self.runtime.live_counts()
+
+    def begin(self, step: int, phase: str) -> None:
+        self.step, self.phase, self._since = step, phase, time.monotonic()
+        self._start_counts = self._counts()
+
+    def text(self) -> str:
+        since = time.monotonic() - self._since
+        now, start = self._counts(), self._start_counts
+        if self.phase != "rollouts" or now is None or start is None:
+            return format_activity(self.step, phase=self.phase, since_s=since)
+        return format_activity(self.step, phase="rollouts", since_s=since,
+                               episodes_done=now.episodes_finished - start.episodes_finished,
+                               episodes_total=self.episodes_per_step, episodes_running=now.episodes_running,
+                               tokens=now.tokens_sampled - start.tokens_sampled)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            self.display.activity(self.text())
 
 
 class TrajectoryLog:
@@ -272,6 +334,21 @@ def export_model(learner: Learner, tokenizer: PreTrainedTokenizerBase, out_dir: 
     return out_dir
 
 
+@contextlib.asynccontextmanager
+async def _ticking(live: LiveActivity | None) -> Any:
+    """Run `live`'s ticker for the duration of the block (nothing when there is no display)."""
+    if live is None:
+        yield
+        return
+    task = asyncio.create_task(live.run())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 @dataclass
 class TrainSummary:
     steps: int
@@ -322,19 +399,28 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
             run_dir, resume_from_step=start_step,
             use_tensorboard=trainer.use_tensorboard, use_wandb=trainer.use_wandb))
         display = stack.enter_context(ProgressLine(trainer.total_steps)) if progress else None
-        async with manager:
+        live = None
+        if display is not None:
+            live = LiveActivity(display, runtime, rollout.groups_per_step * config.algo.group_size)
+        async with manager, _ticking(live):
             last_busy, last_wall = manager.busy_seconds(), time.perf_counter()
             for step in range(start_step, trainer.total_steps):
+                if live is not None:
+                    live.begin(step + 1, "rollouts")
                 waited = time.perf_counter()
                 groups = await manager.next_batch()
                 idle_learner = time.perf_counter() - waited
                 batch = step_input(groups, step, runtime.task)
                 if trajectory_log is not None:
                     trajectory_log.write(step + 1, groups, step)
+                if live is not None:
+                    live.begin(step + 1, "learner step")
                 tick = time.perf_counter()
                 metrics = await asyncio.get_running_loop().run_in_executor(learner_thread, _step_and_trim,
                                                                            learner, batch)
                 train_s = time.perf_counter() - tick
+                if live is not None:
+                    live.begin(step + 1, "weight push")
                 tick = time.perf_counter()
                 await manager.sync_weights(learner.named_weights(), step + 1)
                 sync_s = time.perf_counter() - tick

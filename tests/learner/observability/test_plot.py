@@ -15,7 +15,7 @@ from learner.cli import main
 from learner.observability import metric_names as names
 from learner.observability.metrics_log import METRICS_FILE, MetricsFileError, MetricsLogger
 from learner.observability.plot import _moving_average, plot_run
-from learner.observability.progress import ProgressLine, format_progress
+from learner.observability.progress import ProgressLine, format_activity, format_progress
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -184,3 +184,36 @@ def test_progress_on_a_terminal_rewrites_one_line_in_place() -> None:
     assert first.startswith("step 1/10") and second.startswith("step 2/10")
     assert len(second) == len(first) and second.endswith(" ")
     assert stream.getvalue().endswith("\n")
+
+
+def test_activity_says_what_a_step_is_doing() -> None:
+    assert format_activity(4, phase="rollouts", since_s=133.0, episodes_done=10, episodes_total=16,
+                           episodes_running=6, tokens=12345) == (
+        "step 4: rollouts 10 episodes done (16 per step), 6 running, 12.3k tokens sampled (93 tok/s), "
+        "0:02:13")
+    assert format_activity(4, phase="learner step", since_s=20.0) == "step 4: learner step, 0:00:20"
+    # counts a Ray driver does not have are left out, not shown as zeros
+    assert format_activity(2, phase="rollouts", since_s=5.0) == "step 2: rollouts, 0:00:05"
+
+
+def test_activity_lines_never_delay_a_step_line_in_a_log_file() -> None:
+    times = iter([0.0, 10.0, 11.0, 41.0, 50.0, 55.0])  # construction, then one per call
+    stream = io.StringIO()
+    progress = ProgressLine(3, stream, interval_s=30.0, clock=lambda: next(times))
+    progress.activity("step 1: rollouts, 0:00:10")  # t = 10: skipped — only 10 s without a line
+    progress.update(1, {})                           # t = 11: written (the first step line)
+    progress.activity("step 2: rollouts, 0:00:30")  # t = 41: written — 30 s without a line
+    progress.update(2, {})  # t = 50: written — 39 s after step 1's line, though only 9 s after the activity
+    progress.update(3, {})  # t = 55: the last step is always written
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" |")[0] for line in lines] == [
+        "step 1/3 (33%)", "  ... step 2: rollouts, 0:00:30", "step 2/3 (67%)", "step 3/3 (100%)"]
+
+
+def test_activity_on_a_terminal_follows_the_last_step_line_in_place() -> None:
+    stream = _Terminal()
+    with ProgressLine(10, stream, clock=lambda: 0.0) as progress:
+        progress.update(1, {})
+        progress.activity("step 2: learner step, 0:00:03")
+    written = stream.getvalue().removesuffix("\n").split("\r")[1:]
+    assert written[1].startswith(written[0].rstrip() + " | step 2: learner step, 0:00:03")

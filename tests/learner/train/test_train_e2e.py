@@ -172,3 +172,41 @@ def test_default_model_trains_on_the_shipped_countdown_task(tmp_path: Path, defa
         assert record["grad/norm"] is None or record["grad/norm"] >= 0
     lines = (run_dir / "trajectories.jsonl").read_text().splitlines()
     assert len(lines) == 8  # 2 steps × 1 group × 4 episodes
+
+
+@needs_bwrap
+def test_the_terminal_shows_our_progress_and_the_libraries_go_to_the_run_log(tmp_path: Path,
+                                                                           tiny_model_dir: Path) -> None:
+    """Without -v, model loading bars, torch/transformers warnings and engine logs go to
+    run_dir/logs/libraries.log; the terminal (here a pipe: one line per step) shows vcpo's own lines."""
+    config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=2)
+    result = _vcpo("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    library_log = tmp_path / "run" / "logs" / "libraries.log"
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"vcpo train: engine and library output → {library_log} (-v shows it here)"
+    assert [line.split(" |")[0] for line in lines[1:]] == ["step 1/2 (50%)", "step 2/2 (100%)"], lines
+    assert "Loading weights" in library_log.read_text()  # the model loads, at least twice (engine, learner)
+    verbose = _vcpo("-v", "train", str(config), "trainer.total_steps=3")  # resumes at 2; -v: all here
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert "Loading weights" in verbose.stderr and "libraries.log" not in verbose.stderr
+
+
+def test_the_live_line_counts_this_phases_episodes_and_tokens() -> None:
+    from learner.observability.progress import ProgressLine
+    from learner.train.trainer import LiveActivity, LiveCounts
+
+    class Runtime:
+        counts = LiveCounts(episodes_finished=5, episodes_running=3, tokens_sampled=1000)
+
+        def live_counts(self) -> LiveCounts:
+            return self.counts
+
+    runtime = Runtime()
+    live = LiveActivity(ProgressLine(4), runtime, episodes_per_step=16)  # type: ignore[arg-type]
+    live.begin(2, "rollouts")
+    runtime.counts = LiveCounts(episodes_finished=9, episodes_running=7, tokens_sampled=3500)
+    text = live.text()
+    assert text.startswith("step 2: rollouts 4 episodes done (16 per step), 7 running, 2.5k tokens sampled")
+    live.begin(2, "learner step")
+    assert live.text() == "step 2: learner step, 0:00:00"
