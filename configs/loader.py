@@ -95,11 +95,15 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], source: str) 
     """Apply `a.b.c=value` overrides in place (value parsed as YAML: `1e-6`, `true`, `[1,2]`).
 
     Returns the overridden key paths, so validation errors can say the value came from the command
-    line. Intermediate mappings are created; unknown keys are caught by validation.
+    line. Intermediate mappings are created; unknown keys are caught by validation. A `…type=X` that
+    changes a tagged section's variant (e.g. `algo.objective.type=grpo` over vcpo) replaces the section
+    by `{type: X}`, as `extends:` does (`deep_merge`): the old variant's keys mean nothing to the new
+    one. Such overrides apply first, so `a.type=X a.key=v` and `a.key=v a.type=X` mean the same.
     """
     problems: list[str] = []
     paths: set[tuple[str, ...]] = set()
-    for item in overrides:
+    type_first = sorted(overrides, key=lambda item: item.partition("=")[0].strip().split(".")[-1] != "type")
+    for item in type_first:
         key, sep, text = item.partition("=")
         keys = tuple(key.strip().split("."))
         if not sep or not all(keys):
@@ -118,6 +122,8 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], source: str) 
                 break
             node = child
         else:
+            if keys[-1] == "type" and "type" in node and node["type"] != value:
+                node.clear()  # another variant: its old keys would only be reported as unknown
             node[keys[-1]] = value
             paths.add(keys)
     if problems:

@@ -158,6 +158,19 @@ def test_extends_replaces_a_tagged_section_whose_type_changes(tmp_path: Path) ->
     assert load_config(child, RunConfig).algo.objective.type == "seq_tis"
 
 
+def test_an_override_that_changes_a_tagged_sections_type_replaces_it(tmp_path: Path) -> None:
+    """What the README tells a user to type: switching the default run's objective from the command
+    line, with an option of the new objective before or after the type."""
+    base = _write(tmp_path, "algo: {objective: {type: vcpo, is_cap: 4.0, opob: {scope: group}}}\n",
+                  "run.yaml")
+    for overrides in (["algo.objective.type=grpo", "algo.objective.clip_low=0.1"],
+                      ["algo.objective.clip_low=0.1", "algo.objective.type=grpo"]):
+        objective = load_config(base, RunConfig, overrides).algo.objective
+        assert (objective.type, objective.clip_low) == ("grpo", 0.1)
+    same = load_config(base, RunConfig, ["algo.objective.type=vcpo"]).algo.objective
+    assert same.is_cap == 4.0  # the same variant: nothing dropped
+
+
 def test_a_broken_shipped_tool_spec_is_reported_with_its_file(tmp_path: Path) -> None:
     from learner.cli import config_catalog
 
