@@ -3,7 +3,10 @@ URL) into `agent_env.evaluate`, with a progress bar showing live accuracy and a 
 
 With `--backend openai`, `--model` is only where the tokenizer comes from (prompts are rendered
 and answers read with it) and `--served-model` is the name sent to the server; without it the
-server's `GET /models` decides: its only model, else the listed id equal to `--model`.
+server's `GET /models` decides: its only model, else the listed id equal to `--model`. When that
+listing gives the model's context length (vLLM's `max_model_len`) and it is shorter than the
+task's episode budget, the command stops before the first request: the server would refuse every
+turn whose prompt + `max_tokens` passes it, part-way through the run.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent_env.evaluate import EvalFileError, evaluate
 from learner.train.compose import engine_settings, load_task, task_runtime
 from learner.train.trainer import episode_settings
+
+if TYPE_CHECKING:
+    from rollout.engines.openai_engine import ServedModel
 
 
 class EvalArgumentError(ValueError):
@@ -35,7 +41,20 @@ def choose_served_model(served: list[str], model: str, url: str) -> str:
                             "name to send as --served-model NAME")
 
 
-async def _served_model(args: argparse.Namespace) -> str | None:
+def check_context_length(served: list[ServedModel], name: str, max_total_tokens: int, url: str) -> None:
+    """Refuse an episode budget longer than the context the server gives `name` (when it says).
+
+    The agent loop asks each turn for up to `max_total_tokens` − prompt tokens, so a budget within the
+    server's `max_model_len` is never refused for length; a longer one is, turn by turn, mid-run."""
+    lengths = [model.max_model_len for model in served if model.id == name and model.max_model_len]
+    if lengths and lengths[0] < max_total_tokens:
+        raise EvalArgumentError(
+            f"{url}/models gives {name!r} a context of {lengths[0]} tokens (max_model_len), less than this "
+            f"task's episode budget of {max_total_tokens} tokens; restart the server with --max-model-len "
+            f"{max_total_tokens} or lower the budget with the override eval.max_total_tokens={lengths[0]}")
+
+
+async def _served_model(args: argparse.Namespace, max_total_tokens: int) -> str | None:
     """`--served-model`, or the one `GET {url}/models` names (None for the in-process backends)."""
     if args.backend != "openai":
         if args.served_model is not None:
@@ -44,17 +63,27 @@ async def _served_model(args: argparse.Namespace) -> str | None:
         return None
     if args.url is None:
         raise EvalArgumentError("--backend openai needs --url (e.g. http://127.0.0.1:8000/v1)")
-    if args.served_model is not None:
-        return str(args.served_model)
-    from rollout.engines.openai_engine import served_model_ids
-    from rollout.errors import MalformedResponse
+    from rollout.engines.openai_engine import served_models
+    from rollout.errors import InvalidRequest, MalformedResponse
 
+    url = args.url.rstrip("/")
     try:
-        served = await served_model_ids(args.url, os.environ.get("OPENAI_API_KEY"))
+        served = await served_models(args.url, os.environ.get("OPENAI_API_KEY"))
     except MalformedResponse as exc:
-        raise EvalArgumentError(f"{args.url.rstrip('/')}/models did not answer a model list ({exc}); pass "
+        if args.served_model is not None:
+            return str(args.served_model)  # a server with an odd listing may still complete; no checks
+        raise EvalArgumentError(f"{url}/models did not answer a model list ({exc}); pass "
                                 "the name to send as --served-model NAME") from None
-    return choose_served_model(served, str(args.model), args.url.rstrip("/"))
+    except InvalidRequest as exc:
+        if exc.http is None or exc.http.status != 404:
+            raise
+        # vLLM's routes live under /v1: a bare host:port URL finds no /models (a plain "Not Found")
+        raise EvalArgumentError(f"{exc.http}; --url must be the server's API root, e.g. "
+                                "http://127.0.0.1:8000/v1") from None
+    name = str(args.served_model) if args.served_model is not None else choose_served_model(
+        [model.id for model in served], str(args.model), url)
+    check_context_length(served, name, max_total_tokens, url)
+    return name
 
 
 def _settings(args: argparse.Namespace, served_model: str | None) -> Any:
@@ -99,7 +128,7 @@ async def run_evaluation(args: argparse.Namespace, cache_dir: Path) -> int:
     limit = args.limit if args.limit is not None else task.eval.limit
     settings = episode_settings(task, seed=args.seed, for_eval=True)
     try:
-        served_model = await _served_model(args)
+        served_model = await _served_model(args, settings.max_total_tokens)
     except EvalArgumentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

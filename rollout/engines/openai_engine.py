@@ -10,8 +10,10 @@ to report the tempered one); otherwise results carry no logprobs.
 
 Not supported (UnsupportedOperation): load_weights, pause/resume — an evaluation server's weights
 are fixed. `abort` closes the request's connection (vLLM aborts a request whose client left).
-Every request has a connect and a total timeout. `served_model_ids` lists what a server serves
-(`GET /models`), for choosing the name to send.
+Every request has a connect and a total timeout. `served_models` lists what a server serves
+(`GET /models`): the names, for choosing the one to send, and each model's context length where the
+server says it (vLLM's `max_model_len`), so a caller can refuse a token budget the server would
+reject mid-run.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollout.base import InferenceEngine
@@ -196,10 +199,20 @@ class OpenAIEngine(InferenceEngine):
         )
 
 
-async def served_model_ids(
+@dataclass(frozen=True)
+class ServedModel:
+    """One entry of a server's `GET /models`."""
+
+    id: str
+    """The name to send as `model`."""
+    max_model_len: int | None = None
+    """Prompt + completion tokens the server allows this model (vLLM lists it); None when not said."""
+
+
+async def served_models(
     base_url: str, api_key: str | None = None, connect_timeout_s: float = 5.0
-) -> list[str]:
-    """The model ids an OpenAI-compatible server serves (`GET {base_url}/models`), in its order.
+) -> list[ServedModel]:
+    """The models an OpenAI-compatible server serves (`GET {base_url}/models`), in its order.
 
     Raises EngineUnavailable when the server cannot be reached, an EngineError with `http` set when
     it answers an HTTP error, MalformedResponse when the answer is not a model list.
@@ -211,4 +224,18 @@ async def served_model_ids(
     finally:
         await client.close()
     models = field(data, "data", engine=OpenAIEngine.name, kind=list)
-    return [str(field(model, "id", engine=OpenAIEngine.name)) for model in models]
+    served = []
+    for model in models:
+        length = model.get("max_model_len") if isinstance(model, dict) else None
+        # a bool is an int to isinstance; only a positive whole number is a context length
+        is_length = isinstance(length, int) and not isinstance(length, bool) and length > 0
+        served.append(ServedModel(str(field(model, "id", engine=OpenAIEngine.name)),
+                                  length if is_length else None))
+    return served
+
+
+async def served_model_ids(
+    base_url: str, api_key: str | None = None, connect_timeout_s: float = 5.0
+) -> list[str]:
+    """The model ids of `served_models`, in the server's order."""
+    return [model.id for model in await served_models(base_url, api_key, connect_timeout_s)]

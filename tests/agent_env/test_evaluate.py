@@ -259,6 +259,65 @@ async def test_eval_against_an_unreachable_server_is_one_line_naming_the_url(
     assert f"GET {url}/models" in err and "ConnectError" in err
 
 
+async def test_an_episode_budget_beyond_the_served_context_stops_before_any_request(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM lists each model's max_model_len and refuses (HTTP 400) any turn whose max_tokens passes it;
+    a task budget longer than that is refused up front, with both fixes; within it, requests go out."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from tests.rollout.standin_servers import serve
+
+    task = _write_memorised_task(tmp_path, {}, has_tool=False)  # loop.max_total_tokens: 400
+    app, completions = FastAPI(), []
+    app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "smol", "max_model_len": 256}]})
+
+    def refuse(body: dict[str, Any]) -> JSONResponse:
+        """Record the request (FastAPI reads a dict parameter from the JSON body) and answer as vLLM does
+        an unknown name, so no sample finishes."""
+        completions.append(body)
+        return JSONResponse({"error": {"message": "no", "code": 404}}, status_code=404)
+
+    app.post("/v1/completions")(refuse)
+    async with serve(app) as url:
+        common = ["--backend", "openai", "--url", f"{url}/v1", "--model", str(tiny_model_dir),
+                  "--out", str(tmp_path / "out.jsonl")]
+        detected = await _eval_in_process(str(task), *common)
+        named = await _eval_in_process(str(task), *common, "--served-model", "smol")
+        first_err = capsys.readouterr().err
+        assert not completions
+        within = await _eval_in_process(str(task), "eval.max_total_tokens=256", *common)
+    message = (f"error: {url}/v1/models gives 'smol' a context of 256 tokens (max_model_len), less than "
+               "this task's episode budget of 400 tokens; restart the server with --max-model-len 400 or "
+               "lower the budget with the override eval.max_total_tokens=256\n")
+    assert (detected, named) == (2, 2) and first_err == message * 2
+    assert within == 2
+    assert capsys.readouterr().err.startswith(f"error: POST {url}/v1/completions answered HTTP 404")
+    # the first turn asks for exactly what the context has left after the prompt
+    assert completions and completions[0]["max_tokens"] + len(completions[0]["prompt"]) == 256
+
+
+async def test_a_url_without_the_api_root_says_where_models_live(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM serves /v1/models; `--url http://host:port` finds only a 404 "Not Found" there."""
+    from fastapi import FastAPI
+
+    from tests.rollout.standin_servers import serve
+
+    task = _write_memorised_task(tmp_path, {}, has_tool=False)
+    app = FastAPI()
+    app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "smol"}]})
+    async with serve(app) as url:
+        codes = [await _eval_in_process(str(task), "--backend", "openai", "--url", url, *served)
+                 for served in ([], ["--served-model", "smol"])]
+    err = capsys.readouterr().err
+    assert codes == [2, 2]
+    assert err == (f"error: GET {url}/models answered HTTP 404: Not Found; --url must be the server's API "
+                   "root, e.g. http://127.0.0.1:8000/v1\n") * 2
+
+
 def _refusing_server(status: int, body: dict | str) -> Any:
     """/v1/models lists 'smol'; every completion is answered with `status` and `body`."""
     from fastapi import FastAPI

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from rollout.engines.hf_engine import HFEngine
 from rollout.engines.http_client import server_message
-from rollout.engines.openai_engine import OpenAIEngine, served_model_ids
+from rollout.engines.openai_engine import OpenAIEngine, ServedModel, served_model_ids, served_models
 from rollout.engines.sglang_launcher import SGLangServer
 from rollout.errors import (
     EngineUnavailable,
@@ -174,6 +174,18 @@ async def test_served_model_ids_needs_a_model_list() -> None:
     async with serve(odd) as url:
         with pytest.raises(MalformedResponse, match="no data"):
             await served_model_ids(f"{url}/v1")
+
+
+async def test_served_models_reads_each_models_context_length() -> None:
+    """vLLM lists `max_model_len` per model; anything but a positive whole number is no length."""
+    listing = FastAPI()
+    listing.get("/v1/models")(lambda: {"object": "list", "data": [
+        {"id": "a", "max_model_len": 512}, {"id": "b"}, {"id": "c", "max_model_len": True},
+        {"id": "d", "max_model_len": "4096"}, {"id": "e", "max_model_len": 0}]})
+    async with serve(listing) as url:
+        served = await served_models(f"{url}/v1")
+    assert served == [ServedModel("a", 512), ServedModel("b"), ServedModel("c"), ServedModel("d"),
+                      ServedModel("e")]
 
 
 @pytest.mark.slow
