@@ -323,12 +323,6 @@ class AlgoConfig(StrictModel):
         if self.ess_lr.enabled and self.staleness_lr.enabled:
             raise ValueError("ess_lr.enabled and staleness_lr.enabled both scale the step size; enable one "
                              "of them (VCPO uses ess_lr)")
-        if (kind == "vcpo" and self.objective.opob.grad_norm_path == "fast"
-                and (self.kl_coef > 0 or self.entropy_coef > 0)):
-            raise ValueError("objective.opob.grad_norm_path='fast' computes the policy-gradient term only, "
-                             f"but kl_coef={self.kl_coef} / entropy_coef={self.entropy_coef} add other "
-                             "terms; "
-                             "set them to 0 or use opob.grad_norm_path='per_trajectory'")
         return self
 
 

@@ -117,6 +117,9 @@ def tba_vargrad_loss(
     valid: Tensor,
     groups: GroupIndex,
     beta: float = 0.05,
+    *,
+    log_partition: Tensor | None = None,
+    count: Tensor | float | None = None,
 ) -> TrajectoryBalance:
     """Trajectory balance with the VarGrad partition estimate → TrajectoryBalance.
 
@@ -126,7 +129,10 @@ def tba_vargrad_loss(
     seq_logprobs: (B,) log π_θ(τ) = Σ_{t∈M} log π_θ (with grad). seq_ref_logprobs: (B,) the same
     under π_ref. rewards: (B,) R. valid: (B,) bool. groups: prompt groups. beta: reward temperature.
     log Ẑ is not detached; detaching it gives the same gradient because the residuals of a group
-    sum to zero. The objective is valid for any sampling distribution, so no IS weights are needed.
+    sum to zero. That is what lets a learner split the minibatch: `log_partition` (B,) (detached, the
+    log Ẑ of each trajectory's group computed on the whole minibatch) and `count` (the minibatch's valid
+    trajectories) replace this call's own; the losses of the parts then sum to the whole one.
+    The objective is valid for any sampling distribution, so no IS weights are needed.
     Reference: Bartoldson et al. 2025, "Trajectory Balance with Asynchrony: Decoupling Exploration
     and Learning for Fast, Scalable LLM Post-Training" (arXiv:2503.18929).
     """
@@ -134,8 +140,12 @@ def tba_vargrad_loss(
     # δ_k = log π_θ(τ_k) − log π_ref(τ_k) − R_k / β
     delta = seq_logprobs - seq_ref_logprobs.detach().to(seq_logprobs.dtype) - reward_term.detach()
     delta = torch.where(valid, delta, torch.zeros_like(delta))
-    # log Ẑ_g = mean_g(R/β − log π_θ + log π_ref) = −mean_g(δ)
-    log_partition = -group_mean(delta, valid, groups)[groups.index]
+    if log_partition is None:  # log Ẑ_g = mean_g(R/β − log π_θ + log π_ref) = −mean_g(δ)
+        log_partition = -group_mean(delta, valid, groups)[groups.index]
+    else:
+        log_partition = log_partition.detach().to(delta.dtype)
     residuals = torch.where(valid, log_partition + delta, torch.zeros_like(delta))
-    count = valid.sum().clamp_min(1).to(residuals.dtype)
+    if count is None:
+        count = valid.sum()
+    count = torch.as_tensor(count, device=residuals.device).clamp_min(1).to(residuals.dtype)
     return TrajectoryBalance((residuals * residuals).sum() / count, log_partition, residuals)

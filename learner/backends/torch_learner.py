@@ -4,10 +4,14 @@ A step (VCPO.md):
 1. pack the trajectories (no padding) into token-budget micro-batches of whole groups;
 2. proximal forward (no grad): `log π_old` of every sampled token — θ at the start of the step;
 3. gradient: VCPO accumulates `−Σ (a_i − b*_g s_i) ∇ℓ_i` with exact per-trajectory norms
-   (`learner/traj_grads/opob_grad.py`, one backward per micro-batch on the fast path); every other objective
-   runs its loss per micro-batch (whole groups, global denominator) and back-propagates it;
+   (`learner/traj_grads/opob_grad.py`, one backward per micro-batch on the fast path), then back-propagates
+   its KL term per micro-batch (an extra forward/backward each, only with kl_coef > 0); every other
+   objective first computes its batch context — every statistic its loss takes over the whole minibatch
+   (group statistics, baselines, masks, bounds, denominators; `vcpo/objectives/base.py`) — once, without
+   grad, from `log π_old` (the value of log π_θ at the gradient point), then runs its loss per micro-batch
+   with that context held fixed and back-propagates it, so the gradient does not depend on the split;
 4. metrics and the step size from ONE objective call on the whole minibatch with `log π = log π_old`
-   (one update per minibatch, so that is exactly the state the gradient was taken at);
+   (one update per minibatch, so that is exactly the state the gradient was taken at) and that context;
 5. clip, lr = schedule(step) × rule(ESS or lag), AdamW step.
 
 Data parallel (`data_parallel`, learner/distributed/data_parallel.py):
@@ -55,7 +59,7 @@ from learner.traj_grads.opob_grad import (
 from rollout.trajectory import Trajectory
 from vcpo.groups import index_groups, single_group
 from vcpo.is_weights import sequence_is_weights, truncated_is_weights
-from vcpo.objectives import PolicyLossInputs
+from vcpo.objectives import BatchContext, PolicyLossInputs
 from vcpo.step_size import StepSizeInputs
 
 _PACKED_AGGREGATION = {"seq-mean-token-mean": "mean", "seq-mean-token-sum": "sum"}
@@ -180,13 +184,20 @@ class TorchLearner:
                 ref = self._share([self._logprobs(self.reference, mb) if own else self._zeros(mb)
                                    for mb, own in zip(microbatches, mine, strict=True)])
         full = _FullBatch(microbatches, size, old, behavior, ref, self.device, sum_sq)
+        num_units = full.num_units(self.objective.loss_aggregation)
         norms = None
         if self.objective.needs_grad_norms:
             norms = self._vcpo_gradient(full, rewards, group_ids, mine)
+        # log π_θ = log π_old in value at the gradient point. Every rank has the whole minibatch's
+        # old/ref/Σπ² (`_share`) and VCPO's norms, so the context is the global one on every rank.
+        whole = full.inputs(full.old, rewards, group_ids, lags, norms, num_units)
+        context = self.objective.batch_context(whole)
+        if self.objective.needs_grad_norms:
+            self._regularizer_gradient(full, context, rewards, group_ids, lags, mine)
         else:
-            self._objective_gradient(full, rewards, group_ids, lags, mine)
+            self._objective_gradient(full, context, rewards, group_ids, lags, mine)
         with torch.no_grad():
-            output = self.objective(full.inputs(full.old, rewards, group_ids, lags, norms))
+            output = self.objective(whole, context)
             lr_scale = self.lr_rule(StepSizeInputs(output.log_is_weights, output.valid, lags))
         base_lr = lr_at(self.optim_config, self.step_count)
         grad_norm = self._finish(float(lr_scale.scale))
@@ -233,9 +244,11 @@ class TorchLearner:
         """(micro-batch, data-parallel rank that trains it), rank by rank; one process: all rank 0.
 
         VCPO's two-buffer gradient lets a group span micro-batches, so its micro-batches keep to the
-        token budget (activation memory ∝ budget). Other objectives compute group statistics inside one
-        loss call, so their micro-batches hold whole groups (over budget when a group is larger). Either
-        way a group stays on one rank (`assign_groups`)."""
+        token budget (activation memory ∝ budget). Other objectives' micro-batches hold whole groups (over
+        budget when a group is larger), as they always have; their losses take every cross-trajectory
+        statistic from the batch context, so a split group would give the same gradient too
+        (tests/vcpo/test_batch_context.py splits groups). Either way a group stays on one rank
+        (`assign_groups`)."""
         group_tokens: dict[int, int] = {}
         for t in tokens:
             group_tokens[t.group_id] = group_tokens.get(t.group_id, 0) + len(t.token_ids)
@@ -282,9 +295,10 @@ class TorchLearner:
     def _forward_dtype(self, proximal: bool) -> torch.dtype | None:
         return None if proximal and not self.autocast_proximal else self.autocast_dtype
 
-    def _objective_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor, lags: Tensor,
-                            mine: list[bool]) -> None:
-        num_units = full.num_units(self.objective.loss_aggregation)
+    def _microbatch_losses(self, full: _FullBatch, context: BatchContext, rewards: Tensor, group_ids: Tensor,
+                           lags: Tensor, mine: list[bool]) -> Iterator[tuple[PolicyLossInputs, BatchContext]]:
+        """Per micro-batch this rank trains: its inputs with log π_θ from a gradient forward, and the
+        context's rows for its trajectories."""
         for index, mb in enumerate(full.microbatches):
             if mb.target_positions.numel() == 0 or not mine[index]:
                 continue
@@ -295,9 +309,28 @@ class TorchLearner:
                 old_logprobs=pad(full.old[index]),
                 behavior_logprobs=pad(full.behavior[index]), loss_mask=pad.mask, rewards=rewards[local],
                 group_ids=group_ids[local], lags=lags[local],
-                ref_logprobs=pad(full.ref[index]) if full.ref is not None else None, num_units=num_units,
+                ref_logprobs=pad(full.ref[index]) if full.ref is not None else None,
                 sum_probs_squared=pad(full.sum_sq[index]) if full.sum_sq is not None else None)
-            self.objective(inputs).loss.backward()
+            yield inputs, context.select(local, pad.shape[1])
+
+    def _objective_gradient(self, full: _FullBatch, context: BatchContext, rewards: Tensor, group_ids: Tensor,
+                            lags: Tensor, mine: list[bool]) -> None:
+        """Back-propagate the objective's loss per micro-batch, the whole minibatch's statistics held fixed
+        (`context`): the summed gradient is the whole minibatch's whatever the split."""
+        for inputs, local_context in self._microbatch_losses(full, context, rewards, group_ids, lags, mine):
+            self.objective(inputs, local_context).loss.backward()
+
+    def _regularizer_gradient(self, full: _FullBatch, context: BatchContext, rewards: Tensor,
+                              group_ids: Tensor, lags: Tensor, mine: list[bool]) -> None:
+        """VCPO's KL term (kl_coef · agg(KL), the objective's aggregation and global denominator): its
+        gradient goes straight into `.grad`, next to the policy-gradient buffer `A`, and not into the
+        ‖∇ℓ_i‖² that b*_g weighs — b*_g minimises the variance of the policy-gradient estimator, which the
+        (baseline-free) KL term does not change. Nothing to do without a KL term; the entropy bonus is
+        refused at construction (`_check_supported`)."""
+        if self.objective.kl_coef == 0 and self.objective.entropy_coef == 0:
+            return
+        for inputs, local_context in self._microbatch_losses(full, context, rewards, group_ids, lags, mine):
+            self.objective.regularizer_loss(inputs, local_context).backward()
 
     def _vcpo_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor,
                        mine: list[bool]) -> Tensor:
@@ -406,14 +439,14 @@ class _FullBatch:
         return float(self.mask.sum()) if aggregation == "token-mean" else float(self.size)
 
     def inputs(self, logprobs: list[Tensor], rewards: Tensor, group_ids: Tensor, lags: Tensor,
-               norms: Tensor | None) -> PolicyLossInputs:
+               norms: Tensor | None, num_units: float) -> PolicyLossInputs:
         return PolicyLossInputs(
             logprobs=self._stack(logprobs), old_logprobs=self._stack(self.old),
             behavior_logprobs=self._stack(self.behavior), loss_mask=self.mask, rewards=rewards,
             group_ids=group_ids, lags=lags,
             ref_logprobs=self._stack(self.ref) if self.ref is not None else None,
             sum_probs_squared=self._stack(self.sum_sq) if self.sum_sq is not None else None,
-            seq_sq_grad_norms=norms, num_units=float(self.size) if norms is not None else None)
+            seq_sq_grad_norms=norms, num_units=num_units)
 
 
 def _plain(value: Tensor | float) -> float | list[float]:

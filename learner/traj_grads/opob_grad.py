@@ -31,6 +31,11 @@ With sharded parameters (FSDP/TP) the norms computed here are per-shard partial 
 all-reduce them (`rank_sq_norm` gives this rank's share: replicated parameters counted on one rank
 only, copies of a tied weight summed before squaring; `learner/backends/megatron/learner.py` does both).
 Nothing here communicates unless `rank_sq_norm` does.
+
+Only the policy-gradient term is here. A KL term of the loss is back-propagated by the learner on its own,
+into `.grad` next to `A` (`TorchLearner._regularizer_gradient`): it is not part of any `g_i`, so it
+neither enters `‖g_i‖²` nor moves `b*_g` — the baseline that minimises the variance of the
+policy-gradient estimator, which a baseline-free regulariser does not change.
 """
 
 from __future__ import annotations

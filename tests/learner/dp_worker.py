@@ -23,18 +23,35 @@ KIND = "llama_tied"
 ALGOS = {
     **megatron_parity.ALGOS,
     "otb_kl": {"objective": {"type": "otb"}, "group_size": 3, "kl_coef": 0.1},
+    "vcpo_kl": {"objective": {"type": "vcpo", "is_cap": 2.0}, "group_size": 3, "kl_coef": 0.1},
+    "reinforce": {"objective": {"type": "reinforce"}, "group_size": 3},
+    "dr_grpo_kl": {"objective": {"type": "dr_grpo"}, "group_size": 3, "kl_coef": 0.1},
+    "m2po": {"objective": {"type": "m2po", "tau": 0.001}, "group_size": 3},
+    "tba": {"objective": {"type": "tba"}, "group_size": 3},
 }
-"""GRPO (group mean and σ), VCPO (per-trajectory norms, OPOB, ESS step size), and OTB with a KL term
-(the Σπ² statistics and the reference model's log-probs are shared across ranks too)."""
+"""GRPO (group mean and σ), VCPO (per-trajectory norms, OPOB, ESS step size), OTB (the Σπ² statistics
+are shared across ranks too), and the objectives whose loss takes statistics of the whole minibatch
+across groups — REINFORCE's mean, Dr. GRPO's constant N, M2PO's mask (τ small enough to mask tokens of
+this batch), TBA's trajectory count — which a rank holding some of the groups must take from the whole
+minibatch. (BAPO's bounds cannot matter here: this batch's ratios lie inside every candidate bound;
+tests/learner/backends/test_torch_learner.py covers them on a noisier batch.) The KL terms (OTB, VCPO's
+separate KL pass, Dr. GRPO) use the reference model's log-probs, shared across ranks; `learner` moves the
+reference away from the policy so that they have a gradient at the first step."""
 
 
-def learner(name: str, data_parallel: object) -> TorchLearner:
+def learner(name: str, data_parallel: object, micro_batch_tokens: int = megatron_parity.MICRO_BATCH_TOKENS
+            ) -> TorchLearner:
     from configs.schema import AlgoConfig
 
     model = tiny_model(KIND, attn_implementation=register_varlen_sdpa()).train()
-    return TorchLearner(model, AlgoConfig.model_validate(ALGOS[name]), megatron_parity.OPTIM,
-                        micro_batch_tokens=megatron_parity.MICRO_BATCH_TOKENS,
-                        data_parallel=data_parallel)  # type: ignore[arg-type]
+    built = TorchLearner(model, AlgoConfig.model_validate(ALGOS[name]), megatron_parity.OPTIM,
+                         micro_batch_tokens=micro_batch_tokens, data_parallel=data_parallel)  # type: ignore[arg-type]
+    if built.reference is not None:  # the same move on every rank and in the single process
+        generator = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for parameter in built.reference.parameters():
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return built
 
 
 def main(out: str) -> None:

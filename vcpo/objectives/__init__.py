@@ -4,6 +4,7 @@ Build them by name with `vcpo.registry.make_objective`.
 """
 
 from vcpo.objectives.base import (
+    BatchContext,
     LossCounts,
     Objective,
     ObjectiveBase,
@@ -28,6 +29,7 @@ __all__ = [
     "RLOO",
     "TBA",
     "VCPO",
+    "BatchContext",
     "DrGRPO",
     "LossCounts",
     "Objective",

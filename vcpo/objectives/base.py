@@ -18,8 +18,21 @@ the start of the step, which is π_θ when the step's gradient is taken) and the
 π_θ/π_old, where an objective uses it, is PPO's clipped ratio — the decoupled PPO split of Hilton
 et al. 2022, "Batch size-invariance for policy optimization". Each objective's docstring says which.
 
-Whole prompt groups must be in one call (group statistics, M2PO and BAPO are batch statistics).
-With micro-batching, pass `num_units` (the minibatch's global denominator) and sum the losses.
+Micro-batching. The loss of several objectives depends on statistics of the WHOLE minibatch (group
+means and σ, REINFORCE's batch mean, M2PO's mask, BAPO's bounds, Dr. GRPO's constant N, TBA's log Ẑ and
+trajectory count, OTB's token baseline, the aggregation denominator). A learner that back-propagates the
+minibatch in micro-batches therefore splits the call in two:
+
+    context = objective.batch_context(whole_minibatch)         # once, no grad, from values only
+    for rows, inputs in micro_batches:                         # each back-propagated on its own
+        objective(inputs, context.select(rows, width)).loss.backward()
+
+`batch_context` computes every such statistic (`BatchContext`) with no gradient; the per-micro-batch call
+then holds them fixed, so the summed gradient is the whole-minibatch gradient however the minibatch is
+split. It is exact because a learner takes one optimizer step per minibatch: at the gradient point
+log π_θ = log π_old in value, so the learner computes the context from inputs whose `logprobs` are
+`old_logprobs`. `objective(inputs)` without a context computes the context from its own inputs — one call
+on a whole batch behaves as it always has.
 """
 
 from __future__ import annotations
@@ -55,7 +68,8 @@ class PolicyLossInputs:
     sum_probs_squared: (B, T) Σ_v π_old(v|y_<t)², for OTB's logit-gradient proxy; None otherwise.
     entropy: (B, T) entropy of π_θ(·|y_<t) with grad, for the entropy bonus; None otherwise.
     num_units: the aggregation denominator of the whole minibatch (global token count for
-        token-mean, global trajectory count otherwise); None = this call's own count.
+        token-mean, global trajectory count otherwise); None = this call's own count. Read by
+        `batch_context`; a call given a context takes the context's.
     """
 
     logprobs: Tensor
@@ -100,6 +114,47 @@ class PolicyLossInputs:
             problems.append(f"group_ids must be torch.long, got {self.group_ids.dtype}")
         if problems:
             raise ValueError("invalid PolicyLossInputs: " + "; ".join(problems))
+
+
+ADVANTAGES = "advantages"
+"""`BatchContext.rows` key of the advantages (per trajectory (B,), or per token (B, T) for OTB) that an
+objective computes from the whole minibatch (group means and σ, baselines)."""
+
+
+class BatchContext(NamedTuple):
+    """What an objective's loss takes from the whole minibatch: values only, no gradient (module docstring).
+
+    size: B, the trajectories the context has rows for.
+    num_units: 0-d aggregation denominator (global token count for token-mean, trajectory count
+        otherwise) — `PolicyLossInputs.num_units` when given, else the minibatch's own count.
+    token_sum_normalizer: N of seq-mean-token-sum-norm: the objective's option, else the width T of the
+        minibatch's (B, T) tensors (in the learner: its longest trained length).
+    rows: name → (B,) or (B, T) values, row i belonging to trajectory i (advantages, M2PO's kept-token
+        mask, TBA's log Ẑ of the trajectory's group, OTB's per-token advantages).
+    shared: name → 0-d batch-wide values (BAPO's bounds, TBA's trajectory count) and the batch-wide
+        statistics the objective reports as metrics.
+    """
+
+    size: int
+    num_units: Tensor
+    token_sum_normalizer: float
+    rows: dict[str, Tensor]
+    shared: dict[str, Tensor]
+
+    def select(self, rows: Tensor, width: int) -> BatchContext:
+        """The context of a micro-batch: its trajectories' rows (`rows` (n,) long, in the micro-batch's
+        order), per-token values cut or zero-padded to its `width` columns; batch-wide values unchanged.
+        Cutting is right for the learner's layout, where each row holds its trained tokens left-aligned
+        (a micro-batch's width is its longest trained length, at most the minibatch's)."""
+        selected = {}
+        for name, values in self.rows.items():
+            picked = values[rows]
+            if picked.dim() == 2:
+                picked = picked[:, :width]
+                if picked.shape[1] < width:
+                    picked = torch.nn.functional.pad(picked, (0, width - picked.shape[1]))
+            selected[name] = picked
+        return self._replace(size=int(rows.numel()), rows=selected)
 
 
 class LossCounts(NamedTuple):
@@ -159,7 +214,11 @@ class Objective(Protocol):
     @property
     def needs_entropy(self) -> bool: ...
 
-    def __call__(self, inputs: PolicyLossInputs) -> PolicyLossOutput: ...
+    def batch_context(self, inputs: PolicyLossInputs) -> BatchContext: ...
+
+    def __call__(self, inputs: PolicyLossInputs, context: BatchContext | None = None) -> PolicyLossOutput: ...
+
+    def regularizer_loss(self, inputs: PolicyLossInputs, context: BatchContext) -> Tensor: ...
 
 
 class PreparedBatch(NamedTuple):
@@ -328,14 +387,94 @@ class ObjectiveBase:
         """C used for is/ess_ratio_clipped (VCPO.md default 8; objectives with an is_cap use theirs)."""
         return 8.0
 
-    def aggregate(self, token_losses: Tensor, loss_mask: Tensor, num_units: float | Tensor | None) -> Tensor:
-        """The configured aggregation of (B, T) per-token losses over the (B, T) bool mask."""
-        if self.token_sum_normalizer is not None:
-            return seq_mean_token_sum_norm(token_losses, loss_mask, num_units, self.token_sum_normalizer)
-        return LOSS_AGGREGATIONS[self.loss_aggregation](token_losses, loss_mask, num_units)
+    def aggregate(self, token_losses: Tensor, loss_mask: Tensor, context: BatchContext) -> Tensor:
+        """The configured aggregation of (B, T) per-token losses over the (B, T) bool mask, with the
+        minibatch's denominator and N from `context`."""
+        if self.loss_aggregation == "seq-mean-token-sum-norm":
+            return seq_mean_token_sum_norm(
+                token_losses, loss_mask, context.num_units, context.token_sum_normalizer
+            )
+        return LOSS_AGGREGATIONS[self.loss_aggregation](token_losses, loss_mask, context.num_units)
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+    def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(rows, shared) of `BatchContext`: the objective's statistics of the whole `batch`, from
+        values only (run under no_grad). Where an objective uses log π_θ here, the learner's context
+        gives it log π_old, the same value at the gradient point."""
+        return {}, {}
+
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
+        """The policy loss of `batch` (the whole minibatch or a micro-batch of it), taking every
+        batch-wide statistic from `context`."""
         raise NotImplementedError
+
+    def _prepare(self, inputs: PolicyLossInputs) -> PreparedBatch:
+        needs = (self.needs_ref_logprobs, self.needs_sum_probs_squared, self.needs_entropy)
+        return prepare_batch(inputs, *needs)
+
+    def _context(self, batch: PreparedBatch) -> BatchContext:
+        mask = batch.loss_mask
+        if batch.num_units is not None:
+            num_units = torch.as_tensor(batch.num_units, device=mask.device)
+        elif self.loss_aggregation == "token-mean":
+            num_units = mask.sum()
+        else:  # the sequence-mean modes count the trajectories with a trained token
+            num_units = mask.any(dim=-1).sum()
+        normalizer = self.token_sum_normalizer
+        with torch.no_grad():
+            rows, shared = self._statistics(batch)
+        return BatchContext(
+            size=int(mask.shape[0]),
+            num_units=num_units,
+            token_sum_normalizer=float(mask.shape[-1]) if normalizer is None else float(normalizer),
+            rows=rows,
+            shared=shared,
+        )
+
+    def batch_context(self, inputs: PolicyLossInputs) -> BatchContext:
+        """The statistics of the whole minibatch `inputs` that every micro-batch's loss holds fixed
+        (module docstring). A learner passes `logprobs = old_logprobs` (the value of log π_θ at its
+        gradient point) and the minibatch's `num_units`."""
+        self._check_inputs(inputs)
+        with torch.no_grad():
+            return self._context(self._prepare(inputs))
+
+    def _add_regularizers(
+        self, loss: Tensor, batch: PreparedBatch, context: BatchContext
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """loss + kl_coef · agg(KL) − entropy_coef · agg(H) (each term only when its coefficient is > 0),
+        and the terms' metrics."""
+        metrics = {}
+        if self.kl_coef > 0:
+            kl = self.aggregate(
+                KL_ESTIMATORS[self.kl_estimator](batch.logprobs, batch.ref_logprobs), batch.loss_mask, context
+            )
+            loss, metrics["loss/kl"] = loss + self.kl_coef * kl, kl.detach()
+        if self.entropy_coef > 0:
+            entropy = self.aggregate(batch.entropy, batch.loss_mask, context)
+            loss, metrics["loss/entropy"] = loss - self.entropy_coef * entropy, entropy.detach()
+        return loss, metrics
+
+    def regularizer_loss(self, inputs: PolicyLossInputs, context: BatchContext) -> Tensor:
+        """The KL and entropy terms of the loss alone, for a learner that forms the policy-gradient term
+        itself (VCPO's two-buffer gradient) and back-propagates these per micro-batch. Does not need
+        `seq_sq_grad_norms`; 0-d zero when kl_coef = entropy_coef = 0."""
+        missing = [name for name, needed in (("ref_logprobs", self.kl_coef > 0),
+                                             ("entropy", self.entropy_coef > 0))
+                   if needed and getattr(inputs, name) is None]
+        if missing:
+            raise ValueError(f"objective {self.name!r} needs PolicyLossInputs.{', '.join(missing)} for its "
+                             "regularizers (None given)")
+        self._check_context(inputs, context)
+        batch = self._prepare(inputs)
+        return self._add_regularizers(torch.zeros((), device=batch.loss_mask.device), batch, context)[0]
+
+    @staticmethod
+    def _check_context(inputs: PolicyLossInputs, context: BatchContext) -> None:
+        if context.size != inputs.logprobs.shape[0]:
+            raise ValueError(
+                f"the context has {context.size} rows but the inputs {inputs.logprobs.shape[0]} "
+                "trajectories; pass context.select(rows, width) for a micro-batch"
+            )
 
     def _check_inputs(self, inputs: PolicyLossInputs) -> None:
         missing = [
@@ -354,24 +493,18 @@ class ObjectiveBase:
                 "the learner must compute them when objective.needs_* is True"
             )
 
-    def __call__(self, inputs: PolicyLossInputs) -> PolicyLossOutput:
+    def __call__(self, inputs: PolicyLossInputs, context: BatchContext | None = None) -> PolicyLossOutput:
+        """The loss of `inputs`. `context`: the whole minibatch's statistics (`batch_context`, `select`ed
+        to these rows) when `inputs` is a micro-batch of it; None = `inputs` is the whole batch."""
         self._check_inputs(inputs)
-        batch = prepare_batch(
-            inputs, self.needs_ref_logprobs, self.needs_sum_probs_squared, self.needs_entropy
-        )
-        surrogate = self._surrogate(batch)
-        loss, extra = surrogate.loss, dict(surrogate.metrics or {})
-        if self.kl_coef > 0:
-            kl = self.aggregate(
-                KL_ESTIMATORS[self.kl_estimator](batch.logprobs, batch.ref_logprobs),
-                batch.loss_mask,
-                batch.num_units,
-            )
-            loss, extra["loss/kl"] = loss + self.kl_coef * kl, kl.detach()
-        if self.entropy_coef > 0:
-            entropy = self.aggregate(batch.entropy, batch.loss_mask, batch.num_units)
-            loss, extra["loss/entropy"] = loss - self.entropy_coef * entropy, entropy.detach()
-        return _assemble_output(self, batch, surrogate, loss, extra)
+        batch = self._prepare(inputs)
+        if context is None:
+            context = self._context(batch)
+        else:
+            self._check_context(inputs, context)
+        surrogate = self._surrogate(batch, context)
+        loss, extra = self._add_regularizers(surrogate.loss, batch, context)
+        return _assemble_output(self, batch, surrogate, loss, {**(surrogate.metrics or {}), **extra})
 
 
 def _assemble_output(

@@ -27,9 +27,13 @@ import torch
 
 from vcpo.advantages import dr_grpo_advantages, grpo_advantages
 from vcpo.is_weights import token_tis_weights
-from vcpo.objectives.base import ObjectiveBase, PreparedBatch, Surrogate
+from vcpo.objectives.base import ADVANTAGES, BatchContext, ObjectiveBase, PreparedBatch, Surrogate
 from vcpo.policy_losses import clipped_surrogate, ppo_clip_token_loss, ratio_token_loss, reinforce_token_loss
 from vcpo.stabilizers import bapo_bounds, m2po_mask, sequence_mis_weights, token_mis_weights
+
+
+def _grpo_rows(batch: PreparedBatch) -> dict[str, torch.Tensor]:
+    return {ADVANTAGES: grpo_advantages(batch.rewards, batch.groups, batch.valid)}
 
 
 def _check_clip(clip_low: float, clip_high: float, dual_clip: float | None) -> list[str]:
@@ -59,10 +63,15 @@ class PpoClipOptions:
     def _check_options(self) -> list[str]:
         return _check_clip(self.clip_low, self.clip_high, self.dual_clip)
 
+    def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return _grpo_rows(batch), {}
+
     def _clipped_loss(
-        self, batch: PreparedBatch, advantages: torch.Tensor, token_weights: torch.Tensor | None = None
+        self, batch: PreparedBatch, context: BatchContext, token_weights: torch.Tensor | None = None
     ) -> Surrogate:
-        """PPO-clip on π_θ/π_old of the (B,) advantages, optionally × detached (B, T) token weights."""
+        """PPO-clip on π_θ/π_old of the context's (B,) advantages, optionally × detached (B, T) token
+        weights."""
+        advantages = context.rows[ADVANTAGES]
         clip = ppo_clip_token_loss(
             batch.logprobs,
             batch.old_logprobs,
@@ -73,7 +82,7 @@ class PpoClipOptions:
             self.max_log_ratio,
         )
         token_loss = clip.token_loss if token_weights is None else clip.token_loss * token_weights.detach()
-        loss = self.aggregate(token_loss, batch.loss_mask, batch.num_units)
+        loss = self.aggregate(token_loss, batch.loss_mask, context)
         return Surrogate(loss, advantages, clipped=clip.is_clipped)
 
 
@@ -89,12 +98,15 @@ class GRPO(PpoClipOptions, ObjectiveBase):
     normalize_std: bool = True
     eps: float = 1e-6
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+    def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         if self.normalize_std:
             advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid, self.eps)
         else:
             advantages = dr_grpo_advantages(batch.rewards, batch.groups, batch.valid)
-        return self._clipped_loss(batch, advantages)
+        return {ADVANTAGES: advantages}, {}
+
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
+        return self._clipped_loss(batch, context)
 
 
 @dataclass(frozen=True)
@@ -107,8 +119,11 @@ class DrGRPO(PpoClipOptions, ObjectiveBase):
     name: ClassVar[str] = "dr_grpo"
     loss_aggregation: str = "seq-mean-token-sum-norm"
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
-        return self._clipped_loss(batch, dr_grpo_advantages(batch.rewards, batch.groups, batch.valid))
+    def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return {ADVANTAGES: dr_grpo_advantages(batch.rewards, batch.groups, batch.valid)}, {}
+
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
+        return self._clipped_loss(batch, context)
 
 
 @dataclass(frozen=True)
@@ -126,7 +141,7 @@ class TokenTIS(PpoClipOptions, ObjectiveBase):
         cap_problem = [f"token_is_cap={self.token_is_cap} must be > 0"] if self.token_is_cap <= 0 else []
         return PpoClipOptions._check_options(self) + cap_problem
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
         weights = token_tis_weights(
             batch.old_logprobs,
             batch.behavior_logprobs,
@@ -134,8 +149,7 @@ class TokenTIS(PpoClipOptions, ObjectiveBase):
             self.token_is_cap,
             self.max_log_ratio,
         )  # ρ_t = min(π_old/μ, C_tok)
-        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
-        surrogate = self._clipped_loss(batch, advantages, weights)
+        surrogate = self._clipped_loss(batch, context, weights)
         weight_mean = weights.sum() / batch.loss_mask.sum().clamp_min(1)
         return surrogate._replace(metrics={"is/token_weight_mean": weight_mean})
 
@@ -164,7 +178,7 @@ class MIS(PpoClipOptions, ObjectiveBase):
             problems.append(f"level={self.level!r}; valid: {list(MIS_LEVELS)}")
         return problems
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
         if self.level == "token":
             kept = token_mis_weights(
                 batch.old_logprobs, batch.behavior_logprobs, batch.loss_mask, self.is_cap, self.max_log_ratio
@@ -173,8 +187,7 @@ class MIS(PpoClipOptions, ObjectiveBase):
             kept = sequence_mis_weights(
                 batch.seq_log_ratios, batch.loss_mask, self.is_cap, self.max_log_ratio
             )
-        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
-        surrogate = self._clipped_loss(batch, advantages, kept.weights)
+        surrogate = self._clipped_loss(batch, context, kept.weights)
         return surrogate._replace(masked=batch.loss_mask & ~kept.kept)
 
 
@@ -192,19 +205,24 @@ class M2PO(ObjectiveBase):
     def _check_options(self) -> list[str]:
         return [f"tau={self.tau} must be > 0"] if self.tau <= 0 else []
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
-        log_ratio = batch.logprobs - batch.behavior_logprobs  # log r_t = log π_θ − log μ
-        mask = m2po_mask(log_ratio, batch.loss_mask, self.tau)
-        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
-        token_loss = ratio_token_loss(log_ratio, advantages[:, None], self.max_log_ratio)
-        # J = (1/Σ|o|) Σ M_{i,t} r_{i,t} A_i: masked tokens contribute 0 but stay in the denominator
-        token_loss = torch.where(mask.kept, token_loss, torch.zeros_like(token_loss))
-        loss = self.aggregate(token_loss, batch.loss_mask, batch.num_units)
-        metrics = {
+    def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        # the mask is a statistic of the whole minibatch's (log π_θ − log μ)²: one per minibatch, as M2PO's
+        mask = m2po_mask(batch.logprobs - batch.behavior_logprobs, batch.loss_mask, self.tau)
+        rows = {**_grpo_rows(batch), "kept": mask.kept}
+        shared = {
             "m2po/second_moment": mask.second_moment,
             "m2po/kept_second_moment": mask.kept_second_moment,
         }
-        return Surrogate(loss, advantages, masked=batch.loss_mask & ~mask.kept, metrics=metrics)
+        return rows, shared
+
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
+        log_ratio = batch.logprobs - batch.behavior_logprobs  # log r_t = log π_θ − log μ
+        advantages, kept = context.rows[ADVANTAGES], context.rows["kept"] & batch.loss_mask
+        token_loss = ratio_token_loss(log_ratio, advantages[:, None], self.max_log_ratio)
+        # J = (1/Σ|o|) Σ M_{i,t} r_{i,t} A_i: masked tokens contribute 0 but stay in the denominator
+        token_loss = torch.where(kept, token_loss, torch.zeros_like(token_loss))
+        loss = self.aggregate(token_loss, batch.loss_mask, context)
+        return Surrogate(loss, advantages, masked=batch.loss_mask & ~kept, metrics=dict(context.shared))
 
 
 @dataclass(frozen=True)
@@ -235,29 +253,34 @@ class BAPO(ObjectiveBase):
             problems.append(f"positive_fraction={self.positive_fraction} must be in (0, 1)")
         return problems
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+    def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        # the bounds are chosen once per minibatch, from every token's ratio and advantage
+        rows = _grpo_rows(batch)
         log_ratio = batch.logprobs - batch.behavior_logprobs  # log r_t = log π_θ − log μ
-        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
         ratio = log_ratio.detach().clamp(-self.max_log_ratio, self.max_log_ratio).exp()
         bounds = bapo_bounds(
             ratio,
-            advantages[:, None],
+            rows[ADVANTAGES][:, None],
             batch.loss_mask,
             self.clip_low_range,
             self.clip_high_range,
             self.step,
             self.positive_fraction,
         )
-        clip = clipped_surrogate(
-            log_ratio, advantages[:, None], bounds.lower_bound, bounds.upper_bound, None, self.max_log_ratio
-        )
-        loss = self.aggregate(clip.token_loss, batch.loss_mask, batch.num_units)
-        metrics = {
+        shared = {
             "bapo/clip_low": bounds.lower_bound,
             "bapo/clip_high": bounds.upper_bound,
             "bapo/positive_fraction": bounds.positive_fraction,
         }
-        return Surrogate(loss, advantages, clipped=clip.is_clipped, metrics=metrics)
+        return rows, shared
+
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
+        log_ratio = batch.logprobs - batch.behavior_logprobs  # log r_t = log π_θ − log μ
+        advantages = context.rows[ADVANTAGES]
+        lower, upper = context.shared["bapo/clip_low"], context.shared["bapo/clip_high"]
+        clip = clipped_surrogate(log_ratio, advantages[:, None], lower, upper, None, self.max_log_ratio)
+        loss = self.aggregate(clip.token_loss, batch.loss_mask, context)
+        return Surrogate(loss, advantages, clipped=clip.is_clipped, metrics=dict(context.shared))
 
 
 RATIO_DENOMINATORS = ("behavior", "proximal")
@@ -309,12 +332,15 @@ class GSPO(ObjectiveBase):
     def _check_options(self) -> list[str]:
         return _check_ratio_options(self.ratio_to, self.clip_low, self.clip_high, allow_zero_bound=False)
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+    def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return _grpo_rows(batch), {}
+
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
         mask = batch.loss_mask
         token_log_ratio = torch.where(mask, batch.logprobs - _ratio_denominator(batch, self.ratio_to), 0.0)
         lengths = mask.sum(dim=-1).clamp_min(1).to(token_log_ratio.dtype)
         seq_log_ratio = token_log_ratio.sum(dim=-1) / lengths  # log s_i, gradient through π_θ
-        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
+        advantages = context.rows[ADVANTAGES]
         clip = clipped_surrogate(
             seq_log_ratio[:, None],
             advantages[:, None],
@@ -324,7 +350,7 @@ class GSPO(ObjectiveBase):
             self.max_log_ratio,
         )
         token_loss = clip.token_loss.expand(mask.shape)  # loss_i on each of its tokens
-        loss = self.aggregate(token_loss, mask, batch.num_units)
+        loss = self.aggregate(token_loss, mask, context)
         clipped_seq = clip.is_clipped[:, 0] & batch.valid & mask.any(dim=-1)
         present = (batch.valid & mask.any(dim=-1)).sum().clamp_min(1)
         seq_ratio = seq_log_ratio.detach().clamp(-self.max_log_ratio, self.max_log_ratio).exp()
@@ -361,7 +387,10 @@ class CISPO(ObjectiveBase):
     def _check_options(self) -> list[str]:
         return _check_ratio_options(self.ratio_to, self.clip_low, self.clip_high, allow_zero_bound=True)
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+    def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return _grpo_rows(batch), {}
+
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
         mask = batch.loss_mask
         log_ratio = (batch.logprobs.detach() - _ratio_denominator(batch, self.ratio_to)).clamp(
             -self.max_log_ratio, self.max_log_ratio
@@ -369,9 +398,9 @@ class CISPO(ObjectiveBase):
         ratio = torch.where(mask, log_ratio.exp(), torch.zeros_like(log_ratio))
         lower, upper = 1.0 - self.clip_low, 1.0 + self.clip_high
         weights = ratio.clamp(lower, upper)  # detached: the IS weight changes the measure, not the loss
-        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
+        advantages = context.rows[ADVANTAGES]
         token_loss = reinforce_token_loss(batch.logprobs, weights * advantages[:, None])
-        loss = self.aggregate(token_loss, mask, batch.num_units)
+        loss = self.aggregate(token_loss, mask, context)
         clipped = mask & ((ratio > upper) | (ratio < lower))
         weight_mean = torch.where(mask, weights, 0.0).sum() / mask.sum().clamp_min(1)
         return Surrogate(loss, advantages, clipped=clipped, metrics={"cispo/weight_mean": weight_mean})

@@ -10,8 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vcpo.objectives.base import ObjectiveBase, PreparedBatch, Surrogate
-from vcpo.policy_losses import tba_vargrad_loss
+import torch
+
+from vcpo.objectives.base import BatchContext, ObjectiveBase, PreparedBatch, Surrogate
+from vcpo.policy_losses import TrajectoryBalance, tba_vargrad_loss
+
+_LOG_PARTITION, _COUNT = "log_partition", "trajectories"
+"""`BatchContext` keys: (B,) log Ẑ of each trajectory's group, and the minibatch's valid trajectories."""
 
 
 @dataclass(frozen=True)
@@ -30,16 +35,33 @@ class TBA(ObjectiveBase):
     def _check_options(self) -> list[str]:
         return [f"beta={self.beta} must be > 0"] if self.beta <= 0 else []
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
-        balance = tba_vargrad_loss(
+    def _balance(
+        self,
+        batch: PreparedBatch,
+        log_partition: torch.Tensor | None = None,
+        count: torch.Tensor | None = None,
+    ) -> TrajectoryBalance:
+        return tba_vargrad_loss(
             batch.logprobs.sum(dim=-1),
             batch.ref_logprobs.sum(dim=-1),
             batch.rewards,
             batch.valid,
             batch.groups,
             self.beta,
+            log_partition=log_partition,
+            count=count,
         )
-        valid = batch.valid.to(balance.log_partition.dtype)
-        log_partition_mean = (balance.log_partition.detach() * valid).sum() / valid.sum().clamp_min(1.0)
-        metrics = {"tba/log_partition_mean": log_partition_mean}
+
+    def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        # log Ẑ_g averages over the whole group and the loss over the whole minibatch's trajectories
+        log_partition = self._balance(batch).log_partition
+        valid = batch.valid.to(log_partition.dtype)
+        count = valid.sum().clamp_min(1.0)
+        shared = {_COUNT: count, "tba/log_partition_mean": (log_partition * valid).sum() / count}
+        return {_LOG_PARTITION: log_partition}, shared
+
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
+        # log Ẑ_g held fixed: the same gradient as through it (a group's residuals sum to zero)
+        balance = self._balance(batch, context.rows[_LOG_PARTITION], context.shared[_COUNT])
+        metrics = {"tba/log_partition_mean": context.shared["tba/log_partition_mean"]}
         return Surrogate(balance.loss, -balance.residuals.detach(), metrics=metrics)

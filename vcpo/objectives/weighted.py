@@ -29,7 +29,7 @@ from vcpo.advantages import grpo_advantages, reinforce_advantages, rloo_advantag
 from vcpo.groups import GroupIndex, degenerate_groups, group_count, group_mean, group_std, single_group
 from vcpo.is_weights import sequence_is_weights, truncated_is_weights
 from vcpo.metrics import opob_concentration, opob_metrics
-from vcpo.objectives.base import ObjectiveBase, PreparedBatch, Surrogate
+from vcpo.objectives.base import ADVANTAGES, BatchContext, ObjectiveBase, PreparedBatch, Surrogate
 from vcpo.opob import (
     BASELINE_AGGREGATIONS,
     OPOB_FORMS,
@@ -48,13 +48,16 @@ from vcpo.opob import (
 from vcpo.otb import logit_gradient_energy, optimal_token_baseline, otb_advantages, realized_energy
 from vcpo.policy_losses import reinforce_token_loss
 
+Statistics = tuple[dict[str, Tensor], dict[str, Tensor]]
+"""(rows, shared) of a `BatchContext`."""
 
-def _weighted_loglik_loss(objective: ObjectiveBase, batch: PreparedBatch, coefficients: Tensor) -> Tensor:
+
+def _weighted_loglik_loss(
+    objective: ObjectiveBase, batch: PreparedBatch, coefficients: Tensor, context: BatchContext
+) -> Tensor:
     """aggregate(−c · log π_θ); coefficients (B,) per trajectory or (B, T) per token."""
     coefficients = coefficients[:, None] if coefficients.dim() == 1 else coefficients
-    return objective.aggregate(
-        reinforce_token_loss(batch.logprobs, coefficients), batch.loss_mask, batch.num_units
-    )
+    return objective.aggregate(reinforce_token_loss(batch.logprobs, coefficients), batch.loss_mask, context)
 
 
 def _truncated_weights(objective: ObjectiveBase, batch: PreparedBatch, cap: float) -> Tensor:
@@ -86,9 +89,12 @@ class Reinforce(ObjectiveBase):
     name: ClassVar[str] = "reinforce"
     loss_aggregation: str = "seq-mean-token-mean"
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
-        advantages = reinforce_advantages(batch.rewards, batch.valid)
-        return Surrogate(_weighted_loglik_loss(self, batch, advantages), advantages)
+    def _statistics(self, batch: PreparedBatch) -> Statistics:
+        return {ADVANTAGES: reinforce_advantages(batch.rewards, batch.valid)}, {}  # the minibatch's mean
+
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
+        advantages = context.rows[ADVANTAGES]
+        return Surrogate(_weighted_loglik_loss(self, batch, advantages, context), advantages)
 
 
 @dataclass(frozen=True)
@@ -101,9 +107,12 @@ class RLOO(ObjectiveBase):
     name: ClassVar[str] = "rloo"
     loss_aggregation: str = "seq-mean-token-mean"
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
-        advantages = rloo_advantages(batch.rewards, batch.groups, batch.valid)
-        return Surrogate(_weighted_loglik_loss(self, batch, advantages), advantages)
+    def _statistics(self, batch: PreparedBatch) -> Statistics:
+        return {ADVANTAGES: rloo_advantages(batch.rewards, batch.groups, batch.valid)}, {}
+
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
+        advantages = context.rows[ADVANTAGES]
+        return Surrogate(_weighted_loglik_loss(self, batch, advantages, context), advantages)
 
 
 @dataclass(frozen=True)
@@ -116,13 +125,19 @@ class SeqTIS(SequenceTisOptions, ObjectiveBase):
     name: ClassVar[str] = "seq_tis"
     loss_aggregation: str = "seq-mean-token-mean"
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
-        truncated = _truncated_weights(self, batch, self.is_cap)
-        advantages = grpo_advantages(batch.rewards, batch.groups, batch.valid)
-        return Surrogate(_weighted_loglik_loss(self, batch, truncated * advantages), advantages)
+    def _statistics(self, batch: PreparedBatch) -> Statistics:
+        return {ADVANTAGES: grpo_advantages(batch.rewards, batch.groups, batch.valid)}, {}
+
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
+        truncated = _truncated_weights(self, batch, self.is_cap)  # per trajectory: needs no other row
+        advantages = context.rows[ADVANTAGES]
+        return Surrogate(_weighted_loglik_loss(self, batch, truncated * advantages, context), advantages)
 
 
 BASELINE_SCOPES = ("group", "minibatch")
+
+_FALLBACKS, _NONFINITE_NORMS = "baseline_fallbacks", "nonfinite_grad_norms"
+"""`BatchContext.shared` keys of the counts VCPO and OTB report in `LossCounts` (not metrics)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +154,8 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
     divide_by_std: divide R_i − b* by σ_g. aggregation: "weighted_mean" (closed form),
     "weighted_median" or "winsorized_mean" — spec: ω capped at winsorize_quantile; reference: the
     rewards clipped to their ω-weighted 5%/95% quantiles, as the authors'. eps: ε (spec).
+    A KL term (kl_coef > 0) adds kl_coef · agg(KL) to the loss; b* stays the policy-gradient term's (the
+    learner back-propagates the KL term separately, `regularizer_loss`).
     Reference: Huang et al. 2026, "Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs".
     """
 
@@ -218,7 +235,7 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
         keep = valid & (sigma > 0) if self.divide_by_std else valid
         return vcpo_coefficients(truncated, rewards, sigma, keep, batch_size, self.divide_by_std, self.eps)
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+    def _statistics(self, batch: PreparedBatch) -> Statistics:
         weights = sequence_is_weights(batch.seq_log_ratios, self.max_log_ratio)
         truncated = truncated_is_weights(weights, self.is_cap)
         norms = batch.seq_sq_grad_norms.detach()
@@ -232,18 +249,21 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
             keep = keep & ~degenerate_groups(batch.rewards, batch.valid, scope)[scope.index]
         centred = batch.rewards.double() - baseline.per_trajectory.double()
         advantages = torch.where(keep, centred / divisor, torch.zeros_like(centred)).float()
-        loss = _weighted_loglik_loss(self, batch, truncated * advantages)  # IS factor w̄_i once, here
         per_prompt = group_mean(baseline.per_trajectory, batch.valid, batch.groups)
         present = group_count(batch.valid, batch.groups) > 0
         metrics = opob_metrics(per_prompt, group_mean(batch.rewards, batch.valid, batch.groups), present)
         metrics.update(opob_concentration(omega, batch.valid, batch.groups))
-        return Surrogate(
-            loss,
-            advantages,
-            metrics=metrics,
-            baseline_fallbacks=baseline.is_fallback.sum(),
-            nonfinite_grad_norms=nonfinite_norms,
-        )
+        counts = {_FALLBACKS: baseline.is_fallback.sum(), _NONFINITE_NORMS: nonfinite_norms}
+        return {ADVANTAGES: advantages}, {**metrics, **counts}
+
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
+        truncated = _truncated_weights(self, batch, self.is_cap)
+        advantages = context.rows[ADVANTAGES]
+        loss = _weighted_loglik_loss(self, batch, truncated * advantages, context)  # IS factor w̄_i once, here
+        shared = dict(context.shared)
+        fallbacks, nonfinite = shared.pop(_FALLBACKS), shared.pop(_NONFINITE_NORMS)
+        return Surrogate(loss, advantages, metrics=shared, baseline_fallbacks=fallbacks,
+                         nonfinite_grad_norms=nonfinite)
 
 
 @dataclass(frozen=True)
@@ -261,7 +281,7 @@ class OTB(SequenceTisOptions, ObjectiveBase):
     loss_aggregation: str = "seq-mean-token-mean"
     use_is_weights: bool = True
 
-    def _surrogate(self, batch: PreparedBatch) -> Surrogate:
+    def _statistics(self, batch: PreparedBatch) -> Statistics:
         mask = batch.loss_mask
         truncated = _truncated_weights(self, batch, self.is_cap) if self.use_is_weights else None
         energy = logit_gradient_energy(batch.old_logprobs, batch.sum_probs_squared, mask)
@@ -270,7 +290,11 @@ class OTB(SequenceTisOptions, ObjectiveBase):
         token_baseline = optimal_token_baseline(returns, realized, mask, batch.groups)
         keep = (batch.valid & ~batch.is_degenerate)[:, None]
         advantages = torch.where(keep, otb_advantages(returns, token_baseline.baseline, mask), 0.0)
+        return {ADVANTAGES: advantages}, {_FALLBACKS: (token_baseline.is_fallback & mask).sum()}
+
+    def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
+        truncated = _truncated_weights(self, batch, self.is_cap) if self.use_is_weights else None
+        advantages = context.rows[ADVANTAGES]  # (B, T): B*_{g,k} pools the group's k-th tokens
         coefficients = advantages if truncated is None else truncated[:, None] * advantages
-        loss = _weighted_loglik_loss(self, batch, coefficients)
-        fallbacks = (token_baseline.is_fallback & mask).sum()
-        return Surrogate(loss, advantages, baseline_fallbacks=fallbacks)
+        loss = _weighted_loglik_loss(self, batch, coefficients, context)
+        return Surrogate(loss, advantages, baseline_fallbacks=context.shared[_FALLBACKS])

@@ -3,6 +3,7 @@ with brute-force norms; every objective trains; filters and poisoned batches beh
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -48,14 +49,32 @@ def _padded_logprobs(model: torch.nn.Module, tokens: list[TrajectoryTokens]) -> 
     return torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
 
 
+def _perturb_reference(learner: TorchLearner) -> None:
+    """Move the frozen reference away from the policy: at the first step π_ref = π_θ, where every KL
+    estimator has zero gradient and a missing KL term could not be told from a present one."""
+    if learner.reference is None:
+        return
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in learner.reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+
+
 @pytest.mark.parametrize("micro_batch_tokens", [64, 4096])  # groups over several micro-batches / one
+@pytest.mark.parametrize(("grad_norm_path", "kl_coef"),
+                         [("fast", 0.0), ("fast", 0.5), ("per_trajectory", 0.5)])
 def test_vcpo_step_gradient_equals_autograd_of_the_objective_with_exact_norms(
-    micro_batch_tokens: int,
+    micro_batch_tokens: int, grad_norm_path: str, kl_coef: float,
 ) -> None:
+    """Both norm paths, with and without the KL term: the learner's two-buffer gradient plus its KL pass
+    equals autograd of the documented objective, −(1/B) Σ sg[w̄(R − b*)/σ] ℓ_i + kl_coef · agg(k3)."""
     tokens = random_trajectories(num_groups=3, per_group=3, seed=1)
     trajectories, groups = _as_trajectories(tokens)
-    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo", "is_cap": 2.0}, "group_size": 3})
+    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo", "is_cap": 2.0,
+                                                    "opob": {"grad_norm_path": grad_norm_path}},
+                                      "group_size": 3, "kl_coef": kl_coef})
     learner = _learner(algo, micro_batch_tokens=micro_batch_tokens)
+    _perturb_reference(learner)
     grads = capture_grads(learner)
     lags = [0] * len(tokens)
     learner.step(StepInput(trajectories, groups, lags, [True] * len(tokens)))
@@ -76,17 +95,90 @@ def test_vcpo_step_gradient_equals_autograd_of_the_objective_with_exact_norms(
         mask[i, : len(sampled)] = True
         behavior[i, : len(sampled)] = torch.tensor(sampled)
     del width
+    ref = None if learner.reference is None else _padded_logprobs(learner.reference, tokens).detach()
     inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=logprobs.detach(), behavior_logprobs=behavior,
                               loss_mask=mask, rewards=torch.tensor([t.reward for t in trajectories]),
-                              group_ids=torch.tensor(groups), seq_sq_grad_norms=torch.tensor(norms))
+                              group_ids=torch.tensor(groups), seq_sq_grad_norms=torch.tensor(norms),
+                              ref_logprobs=ref)
     model.zero_grad(set_to_none=True)
-    learner.objective(inputs).loss.backward()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+    learner.objective(inputs).loss.backward(retain_graph=True)
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    if kl_coef > 0:  # the KL term is a real part of that gradient, not a rounding-sized one
+        model.zero_grad(set_to_none=True)
+        dataclasses.replace(learner.objective, kl_coef=0.0)(inputs).loss.backward()
+        moved = max(float((want[name] - p.grad).abs().max()) for name, p in model.named_parameters())
+        assert moved > 0.1 * max(float(g.abs().max()) for g in want.values())
+
+
+@pytest.mark.parametrize("grad_norm_path", ["fast", "per_trajectory"])
+def test_vcpo_with_an_entropy_bonus_is_refused_when_the_learner_is_built(grad_norm_path: str) -> None:
+    objective = {"type": "vcpo", "opob": {"grad_norm_path": grad_norm_path}}
+    algo = AlgoConfig.model_validate({"objective": objective, "group_size": 3, "entropy_coef": 0.01})
+    with pytest.raises(ValueError, match=r"set algo\.entropy_coef=0"):
+        _learner(algo)
 
 
 ALL_OBJECTIVES = ["grpo", "dr_grpo", "rloo", "reinforce", "token_tis", "seq_tis", "mis", "m2po", "bapo",
                   "gspo", "cispo", "tba", "otb", "vcpo"]
+
+
+def _noisy_step(noise: float = 0.3) -> StepInput:
+    """3 groups × 3 trajectories with behaviour = the model's own log-probs + N(0, noise²) per token (M2PO
+    masks tokens, BAPO's bounds move, IS weights vary), lags 0–2 and one task-filtered trajectory."""
+    rng = random.Random(7)
+    tokens = random_trajectories(num_groups=3, per_group=3, seed=1)
+    model = tiny_model("llama_tied")
+    trajectories = []
+    for i, t in enumerate(tokens):
+        ids = torch.tensor([t.token_ids])
+        with torch.no_grad():
+            own = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        own = own.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+        logprobs = tuple(own[j - 1] + rng.gauss(0.0, noise) if m else 0.0 for j, m in enumerate(t.loss_mask))
+        trajectories.append(Trajectory(
+            trajectory_id=f"t{i}", group_id=str(t.group_id), token_ids=tuple(t.token_ids),
+            loss_mask=tuple(t.loss_mask), behavior_logprobs=logprobs,
+            versions=TrajectoryVersions(start=0, end=0), reward=float(rng.random() < 0.5)))
+    trained = [i != 4 for i in range(len(tokens))]
+    return StepInput(trajectories, [t.group_id for t in tokens], [i % 3 for i in range(len(tokens))], trained)
+
+
+SPLIT_CASES = [*((objective, {}) for objective in ALL_OBJECTIVES),
+               ("dr_grpo", {"kl_coef": 0.5}),  # the KL term's constant N too
+               ("grpo", {"kl_coef": 0.5, "loss_aggregation": "seq-mean-token-sum-norm"}),
+               ("tba", {"kl_coef": 0.5}),
+               ("vcpo", {"kl_coef": 0.5, "objective": {"type": "vcpo", "opob": {"form": "reference"}}})]
+
+
+@pytest.mark.parametrize(("objective", "extra"), SPLIT_CASES,
+                         ids=[f"{o}-{'-'.join(e) or 'default'}" for o, e in SPLIT_CASES])
+def test_the_gradient_does_not_depend_on_how_the_minibatch_is_split_into_micro_batches(
+    objective: str, extra: dict,
+) -> None:
+    """A budget of 8 tokens (one group per micro-batch; VCPO: one trajectory) gives the gradient and the
+    metrics of a single micro-batch: every batch-wide statistic is the minibatch's."""
+    from vcpo.registry import OBJECTIVES
+
+    assert set(ALL_OBJECTIVES) == set(OBJECTIVES)  # every objective of the registry is covered
+    step = _noisy_step()
+    algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": 3, **extra})
+    grads, metrics = {}, {}
+    for budget in (8, 1_000_000):
+        learner = _learner(algo, micro_batch_tokens=budget)
+        _perturb_reference(learner)
+        grads[budget] = capture_grads(learner)
+        metrics[budget] = learner.step(step)
+    split, whole = grads[8], grads[1_000_000]
+    assert metrics[8]["train/micro_batches"] >= 3 and metrics[1_000_000]["train/micro_batches"] == 1
+    scale = max(float(g.abs().max()) for g in whole.values())
+    assert scale > 1e-3  # a real gradient
+    for name, want in whole.items():  # fp32: only the summation order differs (measured ≤ 6e-7 · scale)
+        torch.testing.assert_close(split[name], want, rtol=1e-4, atol=1e-5 * scale, msg=name)
+    for key, value in metrics[1_000_000].items():
+        if key != "train/micro_batches":
+            assert metrics[8][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 @pytest.mark.parametrize("objective", ALL_OBJECTIVES)

@@ -127,6 +127,39 @@ def test_one_step_matches_the_torch_learner(megatron_world: None, checkpoints: d
     _assert_same_step(got, want)
 
 
+BATCH_STATISTIC_ALGOS = {
+    "reinforce": {"objective": {"type": "reinforce"}, "group_size": 3},
+    "dr_grpo": {"objective": {"type": "dr_grpo"}, "group_size": 3},
+    "m2po": {"objective": {"type": "m2po", "tau": 0.001}, "group_size": 3},
+}
+"""Objectives whose loss takes statistics of the whole minibatch across groups (REINFORCE's mean, Dr. GRPO's
+constant N, M2PO's mask: τ small enough to mask tokens of the parity batch)."""
+
+
+@pytest.mark.parametrize("name", list(BATCH_STATISTIC_ALGOS))
+def test_micro_batches_take_the_minibatch_statistics_as_the_torch_learner_in_one_micro_batch(
+        megatron_world: None, checkpoints: dict[str, Path], name: str) -> None:
+    """The megatron learner reuses the torch learner's step: at a budget of several micro-batches it takes
+    the step the torch learner takes with the whole minibatch in one."""
+    from learner.backends.megatron.learner import MegatronLearner
+    from learner.backends.torch_learner import TorchLearner
+    from learner.forward.varlen_attention import register_varlen_sdpa
+    from tests.learner.megatron_cpu import cuda_on_cpu
+
+    algo = AlgoConfig.model_validate(BATCH_STATISTIC_ALGOS[name])
+    batch = megatron_parity.parity_batch("llama_tied")
+    model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa()).train()
+    want = megatron_parity.run_step(
+        TorchLearner(model, algo, megatron_parity.OPTIM, micro_batch_tokens=1_000_000), batch)
+    with cuda_on_cpu():
+        learner = MegatronLearner(checkpoints["llama_tied"], algo, megatron_parity.OPTIM, MegatronConfig(),
+                                  micro_batch_tokens=megatron_parity.MICRO_BATCH_TOKENS)
+    got = _step(learner, batch)
+    assert want.metrics.pop("train/micro_batches") == 1 and got.metrics.pop("train/micro_batches") > 1
+    assert got.metrics["grad/norm"] > 0.1
+    _assert_same_step(got, want)
+
+
 def test_two_steps_with_weight_exports_between_match_the_torch_learner(megatron_world: None,
                                                                         checkpoints: dict[str, Path]) -> None:
     """As in training: step, export the weights for the engines, step again (the second from the first's
