@@ -4,7 +4,8 @@
 prompt's token ids, appends exactly the tokens the engine returned (loss_mask 1, with their
 behaviour log-probs and versions) and the tokenised observation text (loss_mask 0), and sends that
 growing id sequence back to the engine each turn. Decoding happens only to *read* a turn (find
-the code block or the final answer) and to score the episode.
+the code block or the final answer) and to score the episode. Which fenced block is code is the
+tool's choice (`tools.base.code_fence_of`: ```` ```python ```` unless it declares another language).
 
 Concurrency: an episode is one coroutine; many run at once on one engine (which batches them) and
 one tool (which bounds its own concurrency). Rewards run on a worker thread (math-verify can take
@@ -25,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from agent_env.turns import (
-    CLOSING_FENCE_STOPS,
+    PYTHON_FENCE,
     TurnDecision,
+    code_fence,
     decide_turn,
     find_answer,
     format_observation,
@@ -36,7 +38,7 @@ from agent_env.turns import (
 from rollout.base import InferenceEngine
 from rollout.trajectory import TaskInfo, Trajectory, TrajectoryBuilder, TrajectoryTimings
 from rollout.types import FinishReason, GenerationRequest, SamplingParams
-from tools.base import Tool, ToolCall, ToolResult, ToolSession, ToolUnavailableError
+from tools.base import Tool, ToolCall, ToolResult, ToolSession, ToolUnavailableError, code_fence_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_CONTINUATIONS_PER_TURN = 8
-"""Generate calls one turn may take when a stop fence did not close a python block."""
+"""Generate calls one turn may take when a stop fence did not close a code block."""
 
 
 @dataclass(frozen=True)
@@ -121,12 +123,13 @@ async def _execute(runner: Tool | ToolSession, code: str) -> ToolResult:
         return ToolResult(status="error", stderr=f"ToolError: {type(exc).__name__}", message=str(exc)[:200])
 
 
-def _sampling(settings: EpisodeSettings, max_new_tokens: int, use_tool: bool, turn: int) -> SamplingParams:
+def _sampling(settings: EpisodeSettings, max_new_tokens: int, stops: tuple[str, ...], turn: int
+              ) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=settings.temperature,
         top_p=settings.top_p,
-        stop=CLOSING_FENCE_STOPS if use_tool else (),
+        stop=stops,
         seed=None if settings.seed is None else settings.seed + turn,
     )
 
@@ -154,6 +157,9 @@ async def run_episode(
     is_truncated = False
     finish: FinishReason = "stop"
     use_tool = tool is not None
+    # the tool says which fenced blocks it runs (```python unless it declares `code_fence`)
+    fence = code_fence(code_fence_of(tool)) if tool is not None else PYTHON_FENCE
+    stops = fence.stops if use_tool else ()
     async with _executor(tool, settings.use_session) as runner:
         for turn in range(settings.max_turns + 1):
             # --- generate one turn (a stop on a non-closing fence continues the same turn) ---
@@ -167,7 +173,7 @@ async def run_episode(
                 result = await engine.generate(GenerationRequest(
                     request_id=f"{trajectory_id}-t{turn}-{part}",
                     prompt_token_ids=tuple(builder.token_ids),
-                    sampling=_sampling(settings, budget, use_tool, turn * MAX_CONTINUATIONS_PER_TURN + part),
+                    sampling=_sampling(settings, budget, stops, turn * MAX_CONTINUATIONS_PER_TURN + part),
                 ))
                 if result.finish_reason == "abort":
                     raise asyncio.CancelledError(f"generation of {trajectory_id} was aborted")
@@ -175,12 +181,12 @@ async def run_episode(
                 turn_tokens += len(result.token_ids)
                 text += tokenizer.decode(result.token_ids, skip_special_tokens=True)
                 finish = result.finish_reason
-                if not (use_tool and finish == "stop" and turn_needs_more(text)):
+                if not (use_tool and finish == "stop" and turn_needs_more(text, fence)):
                     break
             if finish == "length":
                 is_truncated = True
             model_texts.append(text)
-            decision = decide_turn(text, settings.answer_pattern) if use_tool else _no_tool_decision(
+            decision = decide_turn(text, settings.answer_pattern, fence) if use_tool else _no_tool_decision(
                 text, settings.answer_pattern)
             if decision.kind == "void":
                 void_turns += 1

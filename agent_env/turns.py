@@ -1,9 +1,11 @@
 """What one model turn asks for, decided from its text alone (no I/O): run code, answer, or neither.
 
 SimpleTIR-style turns (AGENT_LOOP.md): the model writes reasoning and at most one fenced
-```` ```python ```` block per turn; generation stops at the block's closing fence. A turn
-* with a complete python block asks for a tool call (the first complete block — generation
-  stopped at its closing fence, so there is at most one);
+```` ```python ```` block per turn; generation stops at the block's closing fence. The fence
+language is the tool's (`CodeFence`: python unless the tool declares `code_fence`, e.g. ```` ```sql ````
+for a SQL tool). A turn
+* with a complete block in that language asks for a tool call (the first complete block —
+  generation stopped at its closing fence, so there is at most one);
 * else with a final answer (the task's answer pattern, e.g. the last `\\boxed{...}`) ends the episode;
 * else is a *void turn* (counted; `mask_void_turns` may drop the trajectory from the loss).
 
@@ -19,13 +21,38 @@ from typing import Literal
 
 from tools.base import ToolResult
 
-CODE_BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)\n?```", re.DOTALL)
-"""A complete fenced python block; group 1 is the code."""
-
 CLOSING_FENCE_STOPS = ("```\n",)
-"""Stop strings that end a turn at a closing fence. The opening fence ```` ```python ```` never
-contains them; a bare ```` ``` ```` line can, so a stop without a complete block just continues
-the turn (`turn_needs_more`)."""
+"""Stop strings that end a turn at a closing fence. An opening fence with a language tag
+(```` ```python ````, ```` ```sql ````) never contains them; a bare ```` ``` ```` line can, so a stop
+without a complete block just continues the turn (`turn_needs_more`)."""
+
+_FENCE_ALIASES = {"python": ("python", "py")}
+"""Tags that open a block of a fence language besides its own name (models write ```` ```py ```` too)."""
+
+
+@dataclass(frozen=True)
+class CodeFence:
+    """The fenced block that asks for a tool call: its language tag, the regex of a complete block
+    (group 1 is the code) and the stop strings that end a turn at its closing fence. Build it with
+    `code_fence(language)`."""
+
+    language: str
+    block: re.Pattern[str]
+    stops: tuple[str, ...] = CLOSING_FENCE_STOPS
+    """The same for every language: a closing fence is a bare ```` ``` ````."""
+
+
+def code_fence(language: str) -> CodeFence:
+    """The fence of a tool that reads `language` blocks (`tools.base.code_fence_of(tool)`)."""
+    tags = "|".join(re.escape(tag) for tag in _FENCE_ALIASES.get(language, (language,)))
+    return CodeFence(language, re.compile(rf"```(?:{tags})[ \t]*\n(.*?)\n?```", re.DOTALL))
+
+
+PYTHON_FENCE = code_fence("python")
+"""The default fence: ```` ```python ```` or ```` ```py ```` blocks (every built-in tool)."""
+
+CODE_BLOCK = PYTHON_FENCE.block
+"""A complete fenced python block; group 1 is the code."""
 
 TRUNCATION_MARKER = "…[truncated]"
 
@@ -61,9 +88,9 @@ def find_answer(text: str, pattern: str) -> str | None:
     return matches[-1] if matches else None
 
 
-def decide_turn(text: str, answer_pattern: str) -> TurnDecision:
-    """What the turn `text` asks for (see the module docstring)."""
-    block = CODE_BLOCK.search(text)
+def decide_turn(text: str, answer_pattern: str, fence: CodeFence = PYTHON_FENCE) -> TurnDecision:
+    """What the turn `text` asks for (see the module docstring); code blocks are `fence`'s."""
+    block = fence.block.search(text)
     if block is not None:
         return TurnDecision("tool_call", code=block.group(1))
     answer = find_answer(text, answer_pattern)
@@ -72,10 +99,10 @@ def decide_turn(text: str, answer_pattern: str) -> TurnDecision:
     return TurnDecision("void")
 
 
-def turn_needs_more(text: str) -> bool:
-    """True when a stop string fired on a fence that did not close a python block (e.g. an opening
-    bare ```` ``` ````): the turn goes on."""
-    return CODE_BLOCK.search(text) is None and text.rstrip().endswith("```")
+def turn_needs_more(text: str, fence: CodeFence = PYTHON_FENCE) -> bool:
+    """True when a stop string fired on a fence that did not close a block of `fence`'s language
+    (e.g. an opening bare ```` ``` ````): the turn goes on."""
+    return fence.block.search(text) is None and text.rstrip().endswith("```")
 
 
 def _truncate(text: str, max_chars: int) -> str:

@@ -1,25 +1,660 @@
-"""Docs refer to real paths: every repo path the README and docs/ name in backticks exists."""
+"""The docs stay true to the code they describe.
+
+Every user-facing doc (README.md, docs/*.md, examples/**/README.md):
+
+* names only repo paths that exist — a path in backticks or a code block that starts with one of the
+  repo's top-level folders, and every relative markdown link;
+* refers to nothing outside the repo (no `../` paths, no design docs of a shared folder, no `.md`
+  file the repo does not have);
+* spells every `vcpo …` command as the real CLI parses it: a real subcommand, real choices
+  (`vcpo bench NAME`, `vcpo config check`), options that subcommand's argparse parser accepts (the
+  parser is built by `learner.cli.main._build_parser`, not copied here), and `a.b.c=value` overrides
+  that name real fields of the config they apply to.
+
+docs/README.md indexes every page of docs/. docs/task_yaml.md documents every field of `TaskConfig`
+(walked recursively) and of every built-in tool's settings, with the schema's defaults, and lists no
+field that does not exist; its complete example validates. The last tests feed each check a broken
+snippet, so none of them can silently pass everything.
+"""
 
 from __future__ import annotations
 
+import argparse
 import re
+import shlex
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
+from pydantic import BaseModel, SecretStr
+from pydantic.fields import FieldInfo
 
 ROOT = Path(__file__).resolve().parents[1]
-_REPO_PATH = r"((?:scripts|configs|docs|tests|vcpo|tools|rollout|agent_env|learner|\.ci)/[\w./-]+)"
-_NAMED = [  # `path`, --config path, [text](path)
-    re.compile(f"`{_REPO_PATH}`"),
-    re.compile(rf"--config {_REPO_PATH}"),
-    re.compile(rf"\]\({_REPO_PATH}\)"),
-]
+REPO_DIRS = (".ci", "agent_env", "configs", "docs", "learner", "rollout", "scripts", "tests", "tools", "vcpo")
+"""The repo's top-level folders: a path in code that starts with one of them names a repo file."""
+REPO_FILES = ("README.md", "pyproject.toml")
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/results.md"])
+def _docs() -> list[str]:
+    found = {"README.md"}
+    found.update(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
+    found.update(p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").glob("**/README.md"))
+    return sorted(found)
+
+
+DOCS = _docs()
+
+
+def test_the_repo_folders_named_here_exist() -> None:
+    assert all((ROOT / name).exists() for name in (*REPO_DIRS, *REPO_FILES))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading markdown: fenced code blocks, inline code spans, link targets
+
+
+@dataclass
+class Markdown:
+    text: str
+    blocks: list[str] = field(default_factory=list)
+    """Fenced code blocks, each with backslash-continued lines joined."""
+    spans: list[str] = field(default_factory=list)
+    """Inline code spans outside fenced blocks (may span lines within a paragraph)."""
+    links: list[str] = field(default_factory=list)
+    """Markdown link and image targets outside code."""
+    fences: list[tuple[int, int | None, str]] = field(default_factory=list)
+    """(first line, closing line or None when never closed, info string) of each fenced block."""
+
+
+_FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
+_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.DOTALL)
+_LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def parse_markdown(text: str) -> Markdown:
+    md = Markdown(text)
+    prose: list[str] = []
+    fence: str | None = None
+    block: list[str] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        match = _FENCE.match(line)
+        if match and match.group(1)[0] == "`" and "`" in line.strip()[len(match.group(1)):]:
+            match = None  # CommonMark: a backtick fence's info string holds no backtick (```a``` is code)
+        if fence is None and match:
+            fence, block = match.group(1), []
+            md.fences.append((number, None, line.strip()[len(fence):].strip()))
+            prose.append("")
+        elif fence is not None and line.strip().startswith(fence) and not line.strip().strip(fence[0]):
+            md.blocks.append(re.sub(r"\\\n\s*", " ", "\n".join(block)))
+            md.fences[-1] = (md.fences[-1][0], number, md.fences[-1][2])
+            fence = None
+        elif fence is not None:
+            block.append(line)
+        else:
+            prose.append(line)
+    for paragraph in re.split(r"\n\s*\n", "\n".join(prose)):
+        md.spans.extend(m.group(2).strip() for m in _SPAN.finditer(paragraph))
+        md.links.extend(_LINK.findall(_SPAN.sub("", paragraph)))
+    return md
+
+
+def _code_lines(md: Markdown, *, without_comments: bool = False) -> Iterator[str]:
+    """Every code block line and every code span (a span's line breaks become spaces); with
+    `without_comments`, a block line loses its `# comment`."""
+    for block in md.blocks:
+        for line in block.splitlines():
+            yield re.split(r"(?:^|\s)#", line, maxsplit=1)[0] if without_comments else line
+    for span in md.spans:
+        yield " ".join(span.split())
+
+
+# ---------------------------------------------------------------------------------------------
+# Check 1: repo paths exist
+
+_TOP = "|".join(re.escape(name) for name in REPO_DIRS)
+_REPO_PATH = re.compile(rf"(?<![\w./~$@:-])((?:{_TOP})/[\w./-]*|(?:README\.md|pyproject\.toml)(?![\w.-]))")
+_EXTERNAL_LINK = re.compile(r"^(?:[a-z][a-z0-9+.-]*:|#)", re.IGNORECASE)
+
+
+def _looks_like_a_path(token: str) -> bool:
+    """`rollout/manager.py`, `docs/`, `learner/traj_grads/x`, but not a metric key (`rollout/turns_mean`)."""
+    return token.endswith("/") or "." in token.rsplit("/", 1)[-1] or token.count("/") >= 2
+
+
+def named_paths(md: Markdown) -> set[str]:
+    found = {m.group(1).rstrip(".") for line in _code_lines(md) for m in _REPO_PATH.finditer(line)}
+    return {token for token in found if _looks_like_a_path(token)}
+
+
+def path_problems(doc: str, text: str) -> list[str]:
+    md = parse_markdown(text)
+    problems = [f"`{path}` does not exist" for path in sorted(named_paths(md)) if not (ROOT / path).exists()]
+    for target in md.links:
+        if _EXTERNAL_LINK.match(target):
+            continue
+        path = ((ROOT / doc).parent / target.split("#")[0].split("?")[0]).resolve()
+        if path.is_relative_to(ROOT) and not path.exists():
+            problems.append(f"link ({target}) points at nothing")
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS)
 def test_named_paths_exist(doc: str) -> None:
     text = (ROOT / doc).read_text()
-    named = {path for pattern in _NAMED for path in pattern.findall(text)}
-    assert named, f"{doc} names no repo path (the regex is wrong)"
-    missing = sorted(path for path in named if not (ROOT / path).exists())
-    assert not missing, f"{doc} names paths that do not exist: {missing}"
+    md = parse_markdown(text)
+    if not doc.startswith("examples/"):
+        assert named_paths(md) or md.links, f"{doc} names no repo path (the parser is wrong)"
+    assert not path_problems(doc, text), f"{doc}: {path_problems(doc, text)}"
+
+
+def fence_problems(text: str) -> list[str]:
+    """Fenced blocks that swallow prose: a line starting with ``` opens a code block (CommonMark, as
+    GitHub renders it) — an info string of several words is a sentence that begins with a fence."""
+    problems = []
+    for start, end, info in parse_markdown(text).fences:
+        if end is None:
+            problems.append(f"the code block opened on line {start} is never closed")
+        elif len(info.split()) > 1:
+            problems.append(f"line {start} starts with a fence ({info[:40]!r}…): lines {start}–{end} render "
+                            "as one code block; move the backticks off the start of the line")
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_no_code_block_swallows_prose(doc: str) -> None:
+    problems = fence_problems((ROOT / doc).read_text())
+    assert not problems, f"{doc}: {problems}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Check 2: nothing outside the repo
+
+_OUTSIDE = [re.compile(r"\.\./shared"), re.compile(r"shared/docs"), re.compile(r"shared folder")]
+_DOTDOT = re.compile(r"(?<![\w.])\.\./[\w./-]*")
+_MD_NAME = re.compile(r"(?<![\w./-])([\w./-]*\w\.md)\b")
+
+
+def _repo_markdown_names() -> set[str]:
+    names = {name for name in REPO_FILES if name.endswith(".md")}
+    for folder in REPO_DIRS:
+        names.update(p.name for p in (ROOT / folder).rglob("*.md"))
+    return names
+
+
+def outside_problems(doc: str, text: str) -> list[str]:
+    md = parse_markdown(text)
+    problems = [f"mentions {m.group(0)!r}" for pattern in _OUTSIDE for m in pattern.finditer(text)]
+    problems += [f"code names {m.group(0)!r} outside the repo" for line in _code_lines(md)
+                 for m in _DOTDOT.finditer(line)]
+    for target in md.links:
+        if not _EXTERNAL_LINK.match(target):
+            path = ((ROOT / doc).parent / target.split("#")[0]).resolve()
+            if not path.is_relative_to(ROOT):
+                problems.append(f"link ({target}) leaves the repo")
+    known = _repo_markdown_names()
+    for name in sorted({m.group(1) for m in _MD_NAME.finditer(text)}):
+        here = (ROOT / doc).parent / name
+        if not ((ROOT / name).exists() or here.exists() or Path(name).name in known):
+            problems.append(f"refers to {name}, which the repo does not have")
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_no_doc_refers_to_files_outside_the_repo(doc: str) -> None:
+    problems = outside_problems(doc, (ROOT / doc).read_text())
+    assert not problems, f"{doc}: {problems}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Check 3: `vcpo …` commands parse with the real CLI; their overrides name real config fields
+
+_VCPO = re.compile(r"(?:^|(?<=[\s/(\"'`]))vcpo[ \t]+(?=[a-z-])")
+_PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*(?:[./][\w./-]*)?$|[<>…]|\.\.\.")
+_SHELL_OPERATOR = re.compile(r"^[;&|<>]+$")
+
+
+@dataclass
+class DocCommand:
+    text: str
+    tokens: list[str]
+    subcommand: str | None = None
+    positionals: list[str] = field(default_factory=list)
+    options: dict[str, str | None] = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def has_placeholder(self) -> bool:
+        return any(_PLACEHOLDER.search(token) for token in self.tokens)
+
+
+def _split(text: str) -> list[str]:
+    text = re.sub(r"<[^<>\s]+(?: [^<>\s]+)*>", "…", text)  # <task>, <the cached warm start>: placeholders
+    try:
+        lexer = shlex.shlex(text, posix=True, punctuation_chars=";&|<>")
+        lexer.whitespace_split = True
+        tokens = list(lexer)
+    except ValueError:  # an unbalanced quote in prose around a command
+        tokens = text.split()
+    for index, token in enumerate(tokens):
+        if _SHELL_OPERATOR.match(token):
+            return tokens[:index]
+    return tokens
+
+
+def vcpo_commands(text: str) -> list[DocCommand]:
+    md = parse_markdown(text)
+    return [DocCommand(line.strip(), _split(line[m.end():]))
+            for line in _code_lines(md, without_comments=True) for m in _VCPO.finditer(line)]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from learner.cli.main import _build_parser
+
+    return _build_parser()
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise AssertionError("the vcpo parser has no subcommands")
+
+
+def _is_placeholder(token: str) -> bool:
+    return bool(_PLACEHOLDER.search(token))
+
+
+def _check_value(action: argparse.Action, value: str, what: str) -> list[str]:
+    if _is_placeholder(value):
+        return []
+    if action.choices is not None and value not in action.choices:
+        return [f"{what} {value!r} is not one of {sorted(action.choices)}"]
+    if action.type in (int, float):
+        try:
+            action.type(value)
+        except ValueError:
+            return [f"{what} {value!r} is not a {action.type.__name__}"]
+    return []
+
+
+def command_problems(command: DocCommand, parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """Parse `command` as `vcpo` would (filling in its parts); what the real parser would reject."""
+    parser = parser or _parser()
+    top_options = {s for action in parser._actions for s in action.option_strings}
+    tokens = list(command.tokens)
+    while tokens and tokens[0].startswith("-"):
+        if tokens[0] not in top_options:
+            return [f"vcpo has no option {tokens[0]}"]
+        tokens.pop(0)
+    if not tokens or _is_placeholder(tokens[0]):
+        return []
+    subcommands = _subcommands(parser)
+    command.subcommand = tokens[0]
+    if tokens[0] not in subcommands:
+        return [f"no subcommand {tokens[0]!r} (known: {sorted(subcommands)})"]
+    sub = subcommands[tokens[0]]
+    options = {s: action for action in sub._actions for s in action.option_strings}
+    problems: list[str] = []
+    free: list[str] = []
+    index = 1
+    while index < len(tokens):
+        token = tokens[index]
+        if token.startswith("-") and len(token) > 1 and not re.match(r"-\d", token):
+            name, sep, value = token.partition("=")
+            action = options.get(name)
+            if action is None:
+                problems.append(f"vcpo {command.subcommand} has no option {name} (valid: {sorted(options)})")
+            elif action.nargs != 0:
+                if not sep and index + 1 < len(tokens):
+                    index += 1
+                    value = tokens[index]
+                command.options[name] = value
+                problems += _check_value(action, value, name) if value else []
+            else:
+                command.options[name] = None
+        else:
+            free.append(token)
+        index += 1
+    command.overrides = [t for t in free if "=" in t and not t.startswith(("/", "."))]
+    command.positionals = [t for t in free if t not in command.overrides]
+    positional_actions = [a for a in sub._actions if not a.option_strings]
+    if command.overrides and "overrides" not in {a.dest for a in positional_actions}:
+        problems.append(f"vcpo {command.subcommand} takes no a.b.c=value overrides: {command.overrides}")
+    for action, value in zip(positional_actions, command.positionals, strict=False):
+        if action.nargs not in (None, 1):
+            break  # a list or an optional positional: nothing more to match by position
+        problems += _check_value(action, value, action.dest)
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_vcpo_commands_use_real_subcommands_choices_and_options(doc: str) -> None:
+    parser = _parser()
+    commands = vcpo_commands((ROOT / doc).read_text())
+    problems = {c.text: p for c in commands if (p := command_problems(c, parser))}
+    assert not problems, f"{doc}: {problems}"
+
+
+def _validate_task_file(path: Path, overrides: list[str]) -> None:
+    from configs.task_schema import load_task_config
+    from tools.registry import known_tools, validate_tool_settings
+
+    task = load_task_config(path, overrides)
+    if task.tool is not None and task.tool.get("type") in known_tools():  # a plug-in the doc installs
+        validate_tool_settings(task.tool)                                  # first is checked by its test
+
+
+def _resolve(spec: str, beside: Path) -> Path:
+    return next((p for p in (ROOT / spec, beside / spec) if p.is_file()), ROOT / spec)
+
+
+def override_problems(command: DocCommand) -> list[str]:
+    """Load the config `command` applies its a.b.c=value overrides to, as the CLI would."""
+    from configs.loader import ConfigError, apply_overrides, load_config, read_yaml_tree, validate_config
+    from configs.schema import RunConfig
+    from learner.cli.config_catalog import bench_schema_of
+    from tools.base import ToolConfigError
+
+    sub, args = command.subcommand, command.positionals
+    try:
+        if sub == "train":
+            path = ROOT / (args[0] if args else "configs/default.yaml")
+            config = load_config(path, RunConfig, command.overrides)
+            _validate_task_file(_resolve(config.task, path.parent), config.task_overrides)
+        elif sub == "eval" and args:
+            _validate_task_file(ROOT / args[0], command.overrides)
+        elif sub == "config" and len(args) > 1:
+            path = ROOT / args[1]
+            raw = read_yaml_tree(path)
+            if "prompt" in raw and "reward" in raw:
+                _validate_task_file(path, command.overrides)
+            elif path.parent.name == "bench" and bench_schema_of(path) is not None:
+                load_config(path, bench_schema_of(path), command.overrides)
+            else:
+                config = load_config(path, RunConfig, command.overrides)
+                _validate_task_file(_resolve(config.task, path.parent), config.task_overrides)
+        elif sub == "bench" and args:
+            config_path = command.options.get("--config")
+            if config_path is None and args[0] == "staleness":  # as the CLI: the shipped file by default
+                config_path = "configs/bench/staleness.yaml"
+            schema = bench_schema_of(Path(f"{args[0]}.yaml"))
+            if config_path is not None:
+                load_config(ROOT / config_path, schema, command.overrides)
+            else:
+                raw: dict[str, Any] = {}
+                paths = apply_overrides(raw, command.overrides, source="<command line>")
+                validate_config(raw, schema, "<command line>", paths)
+    except (ConfigError, ToolConfigError) as exc:
+        return [str(exc)]
+    return []
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_overrides_in_vcpo_commands_name_real_config_fields(doc: str) -> None:
+    parser = _parser()
+    problems = {}
+    for command in vcpo_commands((ROOT / doc).read_text()):
+        if command_problems(command, parser) or command.has_placeholder:
+            continue  # reported by the test above / not a runnable command
+        if found := override_problems(command):
+            problems[command.text] = found
+    assert not problems, f"{doc}: {problems}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Check 4: docs/README.md indexes every page
+
+
+def index_problems(index_text: str, pages: list[str]) -> list[str]:
+    linked = {Path(target.split("#")[0]).name for target in parse_markdown(index_text).links}
+    return [f"docs/README.md does not link {page}" for page in pages if page not in linked]
+
+
+def test_docs_index_links_every_page() -> None:
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md")
+    assert not index_problems((ROOT / "docs" / "README.md").read_text(), pages)
+
+
+# ---------------------------------------------------------------------------------------------
+# Check 5: docs/task_yaml.md documents the schema, field by field
+
+TASK_DOC = ROOT / "docs" / "task_yaml.md"
+
+
+@dataclass(frozen=True)
+class FieldRow:
+    path: str
+    default: str
+    heading: str
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+
+
+def field_rows(text: str) -> list[FieldRow]:
+    """Rows of the tables whose first column is `field`: (path, default cell, nearest heading)."""
+    rows: list[FieldRow] = []
+    heading, header, in_fence = "", None, False
+    for line in text.splitlines():
+        if _FENCE.match(line):
+            in_fence = not in_fence
+        if in_fence:
+            continue
+        if line.startswith("#"):
+            heading = line
+        if not line.lstrip().startswith("|"):
+            header = None
+            continue
+        cells = _cells(line)
+        if header is None:
+            header = [cell.lower() for cell in cells]
+        elif header[0] == "field" and not set("".join(cells)) <= set("-: "):
+            path = re.fullmatch(r"`([\w.]+)`", cells[0])
+            assert path, f"{cells[0]!r}: the field column holds one `dotted.path`"
+            rows.append(FieldRow(path.group(1), cells[header.index("default")], heading))
+    return rows
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def schema_fields(model: type[BaseModel], prefix: str = "") -> dict[str, list[FieldInfo]]:
+    """Every field path under `model` (union members merged: `dataset.path`, `dataset.id`, ...)."""
+    found: dict[str, list[FieldInfo]] = {}
+    for name, info in model.model_fields.items():
+        found.setdefault(prefix + name, []).append(info)
+        for sub in _models_in(info.annotation):
+            for path, infos in schema_fields(sub, f"{prefix}{name}.").items():
+                found.setdefault(path, []).extend(infos)
+    return found
+
+
+def required_paths(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """The paths the doc must list: every field, each model documented once at its shallowest place
+    (`eval_dataset` has `dataset`'s fields, `dataset.fields` the top-level `fields`')."""
+    required: set[str] = set()
+    seen: set[type[BaseModel]] = {model}
+    queue = [(model, prefix)]
+    while queue:
+        current, at = queue.pop(0)
+        for name, info in current.model_fields.items():
+            required.add(at + name)
+            for sub in _models_in(info.annotation):
+                if sub not in seen:
+                    seen.add(sub)
+                    queue.append((sub, f"{at}{name}."))
+    return required
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, tuple):
+        value = list(value)
+    if isinstance(value, SecretStr):
+        value = value.get_secret_value()
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 20).splitlines()[0]
+
+
+def default_problem(row: FieldRow, infos: list[FieldInfo]) -> str | None:
+    """Whether the row's default cell says what the schema does (sections and tags are not compared)."""
+    if row.path.rsplit(".", 1)[-1] == "type":
+        return None
+    expected = set()
+    for info in infos:
+        if info.is_required():
+            expected.add("required")
+            continue
+        value = info.get_default(call_default_factory=True)
+        if isinstance(value, BaseModel):
+            return None
+        expected.add(f"`{_render(value)}`")
+    if len(expected) != 1:
+        return None  # union members disagree: the doc explains it in words
+    (want,) = expected
+    return None if row.default == want else f"`{row.path}`: default {row.default} but the schema says {want}"
+
+
+def _tool_models() -> dict[str, type[BaseModel]]:
+    from tools.registry import BUILTIN_TOOLS, resolve_tool_class
+
+    return {name: resolve_tool_class(name).settings_model for name in BUILTIN_TOOLS}
+
+
+def task_doc_problems(text: str) -> list[str]:
+    from configs.task_schema import TaskConfig
+
+    rows = field_rows(text)
+    problems: list[str] = []
+    task_rows = [row for row in rows if not row.path.startswith("tool.")]
+    valid = schema_fields(TaskConfig)
+    documented = {row.path for row in task_rows}
+    problems += [f"`{p}` is not documented" for p in sorted(required_paths(TaskConfig) - documented)]
+    for row in task_rows:
+        if row.path not in valid:
+            problems.append(f"`{row.path}` is documented but TaskConfig has no such field")
+        elif found := default_problem(row, valid[row.path]):
+            problems.append(found)
+    tools = _tool_models()
+    by_tool: dict[str, set[str]] = {name: set() for name in tools}
+    for row in rows:
+        if not row.path.startswith("tool."):
+            continue
+        tag = re.search(r"type: (\w+)", row.heading)
+        if tag is None or tag.group(1) not in tools:
+            problems.append(f"`{row.path}` is under {row.heading!r}, not a `type: <built-in tool>` heading")
+            continue
+        name = tag.group(1)
+        by_tool[name].add(row.path)
+        fields = schema_fields(tools[name], "tool.")
+        if row.path not in fields:
+            problems.append(f"`{row.path}` is documented for type {name}, whose settings have no such field")
+        elif found := default_problem(row, fields[row.path]):
+            problems.append(f"type {name}: {found}")
+    for name, model in tools.items():
+        missing = sorted(set(schema_fields(model, "tool.")) - by_tool[name])
+        problems += [f"type {name}: `{path}` is not documented" for path in missing]
+    return problems
+
+
+def test_task_yaml_documents_every_schema_and_tool_field_with_its_default() -> None:
+    problems = task_doc_problems(TASK_DOC.read_text())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_task_yaml_example_validates(tmp_path: Path) -> None:
+    from learner.cli.config_catalog import check_task_config
+
+    blocks = [b for b in parse_markdown(TASK_DOC.read_text()).blocks if re.search(r"^name:", b, re.M)]
+    assert blocks, "docs/task_yaml.md has no complete example (a yaml block with name:)"
+    path = tmp_path / "example.yaml"
+    path.write_text(blocks[0])
+    task = check_task_config(path)
+    documented_sections = {"dataset", "eval_dataset", "fields", "prompt", "tool", "loop", "answer", "filters",
+                           "reward", "eval"}
+    assert documented_sections <= set(yaml.safe_load(blocks[0])), "the example leaves a section out"
+    assert task.name
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks catch broken docs (each would otherwise pass vacuously)
+
+
+@pytest.mark.parametrize("snippet", [
+    "See `configs/tasks/no_such_task.yaml`.",
+    "```bash\n.venv/bin/vcpo eval learner/no_such_module.py\n```",
+    "Read [the guide](no_such_page.md).",
+])
+def test_the_path_check_catches_a_missing_path(snippet: str) -> None:
+    assert path_problems("docs/broken.md", snippet)
+
+
+@pytest.mark.parametrize("snippet", [
+    "Data lives in `../shared/data`.",
+    "The design is in the shared/docs folder.",
+    "See `ARCHITECTURE.md` for the layers.",
+    "As STACK.md measured, bf16 is faster.",
+    "[design](../../elsewhere/VCPO.md)",
+])
+def test_the_outside_check_catches_a_reference_outside_the_repo(snippet: str) -> None:
+    assert outside_problems("docs/broken.md", snippet)
+
+
+@pytest.mark.parametrize("snippet", [
+    "`vcpo trian configs/default.yaml`",
+    "`vcpo bench no_such_bench`",
+    "`vcpo config chek configs/default.yaml`",
+    "`vcpo eval configs/tasks/gsm8k.yaml --no-such-option 3`",
+    "`vcpo eval configs/tasks/gsm8k.yaml --backend no_such_backend`",
+    "`vcpo eval configs/tasks/gsm8k.yaml --k four`",
+    "`vcpo plot runs/default rollout.max_lag=4`",
+    "```bash\n.venv/bin/vcpo train \\\n  --no-progres configs/default.yaml\n```",
+])
+def test_the_command_check_catches_a_wrong_command(snippet: str) -> None:
+    (command,) = vcpo_commands(snippet)
+    assert command_problems(command)
+
+
+@pytest.mark.parametrize("snippet", [
+    "`vcpo train configs/default.yaml rollout.max_lagg=4`",
+    "`vcpo train configs/default.yaml algo.objective.type=no_such_objective`",
+    "`vcpo eval configs/tasks/gsm8k.yaml eval.kk=2`",
+    "`vcpo config check configs/tasks/countdown.yaml loop.max_turn=3`",
+    "`vcpo bench opob --config configs/bench/opob.yaml repeats=often`",
+    "`vcpo bench staleness mode=no_such_mode`",
+])
+def test_the_override_check_catches_a_field_that_does_not_exist(snippet: str) -> None:
+    (command,) = vcpo_commands(snippet)
+    assert not command_problems(command)
+    assert override_problems(command)
+
+
+@pytest.mark.parametrize("snippet", [
+    "Turn 1 prints it in a\n```python block, then turn 2 boxes it.\n\n```bash\nls\n```",
+    "```bash\nvcpo train\n",
+])
+def test_the_fence_check_catches_a_block_that_swallows_prose(snippet: str) -> None:
+    assert fence_problems(snippet)
+
+
+def test_the_index_check_catches_an_unlisted_page() -> None:
+    assert index_problems("[a](architecture.md)", ["architecture.md", "glossary.md"])
+
+
+def test_the_task_doc_check_catches_missing_stale_and_wrong_rows() -> None:
+    text = TASK_DOC.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `loop.max_turns`"))
+    assert any("`loop.max_turns` is not documented" in p for p in task_doc_problems(text.replace(row, "")))
+    stale = text.replace(row, row + "\n| `loop.max_turnz` | int | `5` | gone |")
+    assert any("`loop.max_turnz`" in p for p in task_doc_problems(stale))
+    wrong = text.replace(row, row.replace("`5`", "`6`"))
+    assert any("default `6`" in p for p in task_doc_problems(wrong))
+    tool_row = next(line for line in text.splitlines() if line.startswith("| `tool.warm_pool_size`"))
+    assert any("`tool.warm_pool_size` is not documented" in p
+               for p in task_doc_problems(text.replace(tool_row, "")))

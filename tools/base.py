@@ -6,12 +6,14 @@ output) is data in the result, never an exception: the model sees it and the loo
 problems on our side raise: a missing sandbox backend or bad settings (`ToolConfigError`,
 `ToolUnavailableError`), or a bug.
 
-This module defines types only; implementations live beside it (`local_sandbox.py`,
+This module defines types, plus `code_fence_of` (which fenced blocks a tool reads: its optional
+`code_fence` declaration, checked); implementations live beside it (`local_sandbox.py`,
 `sandbox_fusion_client.py`, `e2b.py`, `fakes.py`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
@@ -26,6 +28,11 @@ limit; the process tree was killed), `memory` (MemoryError or killed by the kern
 exceeded the byte cap), `ok`."""
 
 Language = Literal["python", "bash"]
+
+DEFAULT_CODE_FENCE = "python"
+"""The fence language of a tool that declares no `code_fence` (every built-in tool)."""
+
+_FENCE_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9_+.-]*")
 
 _FROZEN_WITH_BYTES = ConfigDict(
     frozen=True,
@@ -105,6 +112,13 @@ class Tool(Protocol):
 
     To be built from config by `tools/registry.py`, a class also needs `settings_model` (a
     pydantic model with `extra="forbid"`) and a constructor taking one instance of it.
+
+    Optional: `code_fence: ClassVar[str]`, the language tag of the fenced block the agent loop hands
+    this tool, e.g. `"sql"` for a tool that runs ```` ```sql ```` blocks. The loop stops a turn at
+    that block's closing fence and passes the block's content as `ToolCall.code` (with the default
+    `language`; a tool with its own fence reads `code` in its own language). Without it the tool
+    gets ```` ```python ```` blocks (also ```` ```py ````), as every built-in tool does. Read it
+    with `code_fence_of`, which checks it.
     """
 
     name: ClassVar[str]
@@ -134,3 +148,19 @@ class ToolConfigError(ToolError, ValueError):
 
 class ToolUnavailableError(ToolError, RuntimeError):
     """The backend cannot be used (missing program or package, service down, circuit open)."""
+
+
+def code_fence_of(tool: object) -> str:
+    """The fence language `tool` (a tool class or instance) declares as `code_fence`, else "python".
+
+    Raises ToolConfigError for a declaration the loop cannot match: not a single tag such as
+    `sql` or `c++` (letters, digits and `_+.-`, starting with a letter or digit)."""
+    fence = getattr(tool, "code_fence", DEFAULT_CODE_FENCE)
+    if not isinstance(fence, str) or not _FENCE_TAG.fullmatch(fence):
+        owner = tool if isinstance(tool, type) else type(tool)
+        raise ToolConfigError(
+            f"{owner.__module__}.{owner.__qualname__}.code_fence = {fence!r} is not a fence language tag; "
+            "declare one word such as code_fence = 'sql' (letters, digits, _ + . -), or remove it for "
+            "```python blocks"
+        )
+    return fence

@@ -7,8 +7,9 @@
 * an import path `package.module:Class`.
 
 The class must have `settings_model` (a pydantic model, ideally `extra="forbid"`) and a
-constructor that takes one validated instance of it. The other keys of the spec are validated
-against that model; errors name the field, the value given and the fix.
+constructor that takes one validated instance of it; it may declare `code_fence` (tools/base.py),
+which is checked here too. The other keys of the spec are validated against that model; errors
+name the field, the value given and the fix.
 
 Nothing is imported or discovered at import time of this module: entry points are read when a
 spec is resolved, so installing a plug-in needs no restart of anything but the process.
@@ -24,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from tools.base import Tool, ToolConfigError
+from tools.base import Tool, ToolConfigError, code_fence_of
 
 ENTRY_POINT_GROUP = "vcpo.tools"
 
@@ -78,6 +79,10 @@ def resolve_tool_class(tool_type: str) -> type:
             f"tool type {tool_type!r}: {target} has no `settings_model` (a pydantic model class); "
             "add one so its settings can be validated"
         )
+    try:  # a bad `code_fence` fails here, at config time, not in the first episode
+        code_fence_of(tool_class)
+    except ToolConfigError as error:
+        raise ToolConfigError(f"tool type {tool_type!r}: {error}") from None
     return tool_class
 
 

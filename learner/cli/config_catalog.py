@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import configs
-from agent_env.rewards import RewardConfigError, build_reward
 from configs.loader import ConfigError, load_config, read_yaml_tree
 from configs.schema import (
     AsyncBenchConfig,
@@ -22,7 +21,7 @@ from configs.schema import (
     SandboxBenchConfig,
     StalenessBenchConfig,
 )
-from configs.task_schema import TaskConfig, load_task_config
+from configs.task_schema import TaskConfig
 from tools.base import ToolConfigError
 from tools.registry import validate_tool_settings
 from tools.settings import SandboxServerSettings
@@ -48,22 +47,11 @@ def bench_schema_of(path: Path) -> type | None:
     return BENCH_SCHEMAS.get(path.stem.split("_", 1)[0])
 
 def check_task_config(path: str | Path, overrides: Sequence[str] = ()) -> TaskConfig:
-    """Load a task YAML and check what its schema cannot: the tool spec (tools.registry) and that
-    the reward builds (a custom `reward.function` imports). Raises ConfigError listing every problem."""
-    task = load_task_config(path, overrides)
-    problems: list[str] = []
-    if task.tool is not None:
-        try:
-            validate_tool_settings(task.tool)
-        except ToolConfigError as exc:
-            problems.append(f"tool: {exc}")
-    try:
-        build_reward(task.reward, task.answer)
-    except RewardConfigError as exc:
-        problems.append(f"reward.function: {exc}")
-    if problems:
-        raise ConfigError(str(path), problems)
-    return task
+    """Load a task YAML and check what its schema cannot (`learner.train.compose.load_task`: the tool
+    spec and that the reward builds). Raises ConfigError listing every problem."""
+    from learner.train.compose import load_task
+
+    return load_task(path, overrides)[0]
 
 
 _VALIDATORS: dict[str, Callable[[Path], Any]] = {

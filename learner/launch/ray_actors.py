@@ -31,7 +31,8 @@ from learner.distributed.weight_transport import (
 )
 from rollout.engines.weight_group import WeightGroup
 from rollout.manager import GroupTicket, RunGroup
-from tools.base import ToolCall, ToolResult
+from tools.base import DEFAULT_CODE_FENCE, ToolCall, ToolResult, code_fence_of
+from tools.registry import resolve_tool_class
 
 
 class RayLaunchError(RuntimeError):
@@ -116,7 +117,8 @@ class RolloutWorker:
                     task, spec.task_path, model_dir=resolved.name_or_path, tokenizer=tokenizer,
                     settings=spec.settings, which="train"))
                 if spec.sandboxes:
-                    runtime.task, runtime.tool = spec.task, RemoteTool(list(spec.sandboxes))
+                    runtime.task, runtime.tool = spec.task, RemoteTool(
+                        list(spec.sandboxes), code_fence_of(resolve_tool_class(spec.task.tool["type"])))
                 self._run_group = runtime.group_runner(spec.group_size, spec.seed)
                 self._runtime = runtime
         return self._runtime
@@ -301,9 +303,11 @@ class RemoteTool:
 
     name = "remote"
 
-    def __init__(self, actors: list[Any]) -> None:
+    def __init__(self, actors: list[Any], code_fence: str = DEFAULT_CODE_FENCE) -> None:
         self.actors = actors
         self._busy = [0] * len(actors)
+        self.code_fence = code_fence
+        """The fence language of the tool the actors run (the agent loop reads it, `code_fence_of`)."""
 
     async def __aenter__(self) -> RemoteTool:
         return self

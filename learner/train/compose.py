@@ -17,7 +17,7 @@ from pydantic import TypeAdapter, ValidationError
 
 import configs
 from agent_env.datasets import load_samples
-from agent_env.rewards import build_reward
+from agent_env.rewards import RewardConfigError, build_reward
 from configs.loader import ConfigError
 from configs.task_schema import TaskConfig, load_task_config
 from learner.train.trainer import TaskRuntime
@@ -46,14 +46,23 @@ def resolve_task_path(spec: str | Path, relative_to: Path | None = None) -> Path
 
 def load_task(spec: str | Path, overrides: Sequence[str] = (), relative_to: Path | None = None
               ) -> tuple[TaskConfig, Path]:
-    """The validated task and its file (its tool spec checked too)."""
+    """The validated task and its file, with what its schema cannot check: the tool spec
+    (tools.registry) and that the reward builds (a custom `reward.function` imports and is callable) —
+    so a broken task fails here, naming the file and the field, before any model is loaded."""
     path = resolve_task_path(spec, relative_to)
     task = load_task_config(path, overrides)
+    problems = []
     if task.tool is not None:
         try:
             validate_tool_settings(task.tool)
         except ToolConfigError as exc:
-            raise ConfigError(str(path), [f"tool: {exc}"]) from None
+            problems.append(f"tool: {exc}")
+    try:
+        build_reward(task.reward, task.answer)
+    except RewardConfigError as exc:
+        problems.append(f"reward.function: {exc}")
+    if problems:
+        raise ConfigError(str(path), problems)
     return task, path
 
 
