@@ -181,7 +181,10 @@ async def run_episode(
                 turn_tokens += len(result.token_ids)
                 text += tokenizer.decode(result.token_ids, skip_special_tokens=True)
                 finish = result.finish_reason
-                if not (use_tool and finish == "stop" and turn_needs_more(text, fence)):
+                # only a stop *string* on a bare fence continues the turn: an EOS right after a fence
+                # ends it (both finish as "stop"; the EOS's stop_reason is its token id)
+                stopped_at_fence = finish == "stop" and isinstance(result.stop_reason, str)
+                if not (use_tool and stopped_at_fence and turn_needs_more(text, fence)):
                     break
             if finish == "length":
                 is_truncated = True

@@ -165,3 +165,34 @@ def test_observations_show_stdout_the_exception_line_or_the_limit() -> None:
     assert observation_body(timeout, 512) == "Timed out after 2 s"
     assert observation_body(ToolResult(status="ok", stdout="a" * 600), 512).endswith("…[truncated]")
     assert format_observation("4", "simpletir") == "\nCode execution result: 4\n"
+
+
+async def test_only_a_stop_string_at_a_bare_fence_continues_the_turn() -> None:
+    """A bare ``` line stops generation (the stop string fired) and the turn goes on until a block
+    closes; a model that ends its turn with EOS right after such a line is done (seen with vLLM: the
+    turn ran on past EOS into an invented next chat turn)."""
+    bare = "look:\n```\n"
+    for stop_string_fired, expected_calls in ((True, 3), (False, 1)):
+        tokenizer, engine = _scripted([bare, "```python\nprint(1)\n```\n", "\\boxed{42}"])
+        generate = engine.generate
+
+        async def as_a_stop_string(request: GenerationRequest, fired: bool = stop_string_fired
+                                   ) -> GenerationResult:
+            result = await generate(request)
+            if fired and tokenizer.decode(result.token_ids, skip_special_tokens=True) == bare:
+                return result.model_copy(update={"token_ids": result.token_ids[:-1],  # no EOS: the stop
+                                                 "logprobs": result.logprobs[:-1],      # string fired
+                                                 "versions": result.versions[:-1], "stop_reason": "```\n"})
+            return result
+
+        engine.generate = as_a_stop_string  # type: ignore[method-assign]
+        recorder = Recorder(engine)
+        async with engine, EchoTool() as tool:
+            episode = await run_episode(engine, tokenizer, [1, 2], EpisodeSettings(), _boxed_42, tool=tool,
+                                        trajectory_id="e", group_id="g")
+        task = episode.trajectory.task
+        assert len(recorder.calls) == expected_calls
+        if stop_string_fired:  # one turn of two parts ran the block; the next answered
+            assert (task.turns, task.tool_calls, episode.trajectory.reward) == (2, 1, 1.0)
+        else:  # the EOS ended a turn with neither a block nor an answer
+            assert (task.turns, task.tool_calls, task.void_turns) == (1, 0, 1)
