@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -176,8 +177,8 @@ async def test_only_a_stop_string_at_a_bare_fence_continues_the_turn() -> None:
         tokenizer, engine = _scripted([bare, "```python\nprint(1)\n```\n", "\\boxed{42}"])
         generate = engine.generate
 
-        async def as_a_stop_string(request: GenerationRequest, fired: bool = stop_string_fired
-                                   ) -> GenerationResult:
+        async def as_a_stop_string(request: GenerationRequest, fired: bool = stop_string_fired,
+                                   generate: Any = generate, tokenizer: Any = tokenizer) -> GenerationResult:
             result = await generate(request)
             if fired and tokenizer.decode(result.token_ids, skip_special_tokens=True) == bare:
                 return result.model_copy(update={"token_ids": result.token_ids[:-1],  # no EOS: the stop
