@@ -36,6 +36,7 @@ from agent_env.turns import (
     turn_needs_more,
 )
 from rollout.base import InferenceEngine
+from rollout.errors import GenerationAborted
 from rollout.trajectory import TaskInfo, Trajectory, TrajectoryBuilder, TrajectoryTimings
 from rollout.types import FinishReason, GenerationRequest, SamplingParams
 from tools.base import Tool, ToolCall, ToolResult, ToolSession, ToolUnavailableError, code_fence_of
@@ -175,8 +176,9 @@ async def run_episode(
                     prompt_token_ids=tuple(builder.token_ids),
                     sampling=_sampling(settings, budget, stops, turn * MAX_CONTINUATIONS_PER_TURN + part),
                 ))
-                if result.finish_reason == "abort":
-                    raise asyncio.CancelledError(f"generation of {trajectory_id} was aborted")
+                if result.finish_reason == "abort":  # not ours: cancelling this coroutine raises instead
+                    raise GenerationAborted(engine.name, f"request {result.request_id} of {trajectory_id} "
+                                            "was aborted by the engine, not by this episode")
                 builder.add_generation(result)
                 turn_tokens += len(result.token_ids)
                 text += tokenizer.decode(result.token_ids, skip_special_tokens=True)

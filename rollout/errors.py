@@ -65,6 +65,12 @@ class InvalidRequest(EngineError):
     token ids outside the vocabulary); the message names the field and the fix."""
 
 
+class GenerationAborted(EngineError):
+    """A request ended with finish_reason 'abort' that its caller did not ask for (the server or
+    another party aborted it): a failure of that request, retried like any other, never a silent
+    cancellation."""
+
+
 class UnsupportedOperation(EngineError):
     """The backend cannot do this at all (e.g. `load_weights` on an OpenAI-compatible server)."""
 

@@ -158,3 +158,44 @@ async def test_a_dead_engine_stops_the_run_at_once_instead_of_burning_prompts() 
             with pytest.raises(RolloutFailed, match="systemic"):
                 await manager.next_batch()
     assert manager.counters.groups_failed == 1
+
+
+async def test_an_abort_the_episode_did_not_ask_for_fails_its_group_instead_of_hanging_its_slot() -> None:
+    """The engine (e.g. a server) aborts a request in flight: the agent loop raises GenerationAborted,
+    the manager replaces the group like any failed one. (It used to raise CancelledError, which the
+    manager took for its own cancellation: the slot never completed and next_batch hung.)"""
+    from agent_env.loop import EpisodeSettings, run_episode
+    from rollout.fakes import ScriptedReply
+
+    async with ScriptedEngine(lambda request: ScriptedReply([7] * 50), token_delay_s=0.01) as engine:
+
+        async def run_group(ticket: GroupTicket) -> list[Trajectory]:
+            request_id = f"g{ticket.group_index}.{ticket.attempt}-t0-0"
+            if ticket.attempt == 0:  # the engine aborts this group's request after a few tokens
+                asyncio.get_running_loop().call_later(0.05, asyncio.ensure_future, engine.abort(request_id))
+            settings = EpisodeSettings(max_new_tokens_per_turn=8)
+            episode = await run_episode(engine, _Tokenizer(), [5, 6], settings,  # type: ignore[arg-type]
+                                        lambda _text: _Score(), tool=None,
+                                        trajectory_id=f"g{ticket.group_index}.{ticket.attempt}", group_id="g")
+            return [episode.trajectory]
+
+        manager = RolloutManager(engine, run_group, groups_per_batch=1, max_lag=0, max_concurrent_groups=1)
+        async with manager:
+            groups = await asyncio.wait_for(manager.next_batch(), 10)
+    assert manager.counters.groups_failed == 1 and groups[0][0].attempt == 1
+
+
+class _Score:
+    score = 0.0
+
+
+class _Tokenizer:
+    """What run_episode needs of a tokenizer when there is no tool: decoding a turn's tokens."""
+
+    eos_token_id = 0
+
+    def decode(self, ids: object, skip_special_tokens: bool = False) -> str:
+        return "x"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1]
