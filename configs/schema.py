@@ -487,16 +487,18 @@ class StalenessBenchConfig(StrictModel):
 
 
 class LearnerBenchConfig(StrictModel):
-    """`vcpo bench learner` (learner/benchmarks/learner_step.py): optimizer
-    steps of each learner backend on one
-    random minibatch of a random model; step time, tokens/s, peak memory, and each backend's speed
-    relative to the torch learner measured in the same run."""
+    """`vcpo bench learner` (learner/benchmarks/learner_step.py): optimizer steps of each learner backend
+    on one random minibatch of a random model, by default the default run's step (SmolLM2-135M's shape,
+    2 groups × 8 trajectories of 300 tokens with a shared 152-token prompt and 70 sampled tokens, 2048-
+    token micro-batches, VCPO with fast norms). Reports step time and its phases, tokens/s, peak memory,
+    model FLOPs/s and their fraction of the matmul peak of the learner's dtype, measured in the same run
+    (a large GEMM), and each backend's speed relative to the torch learner."""
 
     backends: list[Literal["torch", "torch-autocast", "megatron"]] = Field(
         default_factory=lambda: ["torch", "torch-autocast", "megatron"])
     """Backends to time: 'torch' (in `dtype`), 'torch-autocast' (the torch learner with
     learner.autocast=bfloat16 over fp32 weights), 'megatron'. One that cannot run here (megatron without
-    CUDA, autocast with bf16 weights) is reported with its reason."""
+    CUDA, autocast with bf16 weights, bf16 on a CPU that only emulates it) is reported with its reason."""
     device: str = "auto"
     """'auto' (cuda when available, else cpu), 'cpu' or 'cuda'."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -517,20 +519,34 @@ class LearnerBenchConfig(StrictModel):
     """Key/value heads (grouped-query attention)."""
     vocab_size: int = Field(49152, ge=16)
     """Vocabulary size."""
-    groups: int = Field(8, ge=1)
-    """Groups in the minibatch."""
-    group_size: int = Field(4, ge=2)
-    """Trajectories per group."""
-    tokens: int = Field(512, ge=2)
-    """Tokens per trajectory."""
-    sampled: int = Field(384, ge=1)
-    """Trained (sampled) tokens at the end of each trajectory."""
-    micro_batch_tokens: int = Field(4096, ge=1)
-    """Packed micro-batch budget."""
+    groups: int = Field(2, ge=1)
+    """Groups in the minibatch (the default run: 2 prompts per step)."""
+    group_size: int = Field(8, ge=2)
+    """Trajectories per group (the default run: 8)."""
+    tokens: int = Field(300, ge=2)
+    """Tokens per trajectory (the default run's warm-started episodes: ~300)."""
+    prompt: int = Field(152, ge=0)
+    """Leading tokens shared by a group's trajectories, as a prompt is (the default run: 152)."""
+    sampled: int = Field(70, ge=1)
+    """Trained (sampled) tokens at the end of each trajectory (the default run: ~70)."""
+    micro_batch_tokens: int = Field(2048, ge=1)
+    """Packed micro-batch budget (the default run's `learner.micro_batch_tokens`)."""
     steps: int = Field(3, ge=1)
     """Timed steps (after `warmup` untimed ones)."""
     warmup: int = Field(1, ge=0)
     """Untimed steps first (allocator and kernel warm-up)."""
+    peak_gemm_size: int = Field(2048, ge=64)
+    """n of the n×n×n GEMM whose best time over a few repeats is the measured matmul peak."""
+    force_emulated: bool = False
+    """Run a bf16 backend even where the device only emulates bf16 (minutes per step on AVX2-only CPUs);
+    by default such a row is skipped at once with the reason."""
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> LearnerBenchConfig:
+        if self.prompt + self.sampled > self.tokens:
+            raise ValueError(f"prompt ({self.prompt}) + sampled ({self.sampled}) must not exceed tokens "
+                             f"({self.tokens}); lower one of them")
+        return self
 
 
 class SandboxBenchConfig(StrictModel):

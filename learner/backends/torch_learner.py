@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -171,6 +172,7 @@ class TorchLearner:
         lags = torch.tensor(list(batch.lags), dtype=torch.long, device=self.device)
         behavior = [self._behavior(batch.trajectories, mb) for mb in microbatches]
         sum_sq = None
+        started = time.perf_counter()  # phase times: CPU-synchronous; on CUDA they time the launches
         with torch.no_grad():  # each rank its own micro-batches; zeros stand in for the others' until _share
             if self.objective.needs_sum_probs_squared:  # OTB: Σ_v π_old(v)² from the same forward
                 stats = [self._target_stats(mb) if own else (self._zeros(mb), self._zeros(mb))
@@ -183,6 +185,7 @@ class TorchLearner:
             if self.reference is not None:
                 ref = self._share([self._logprobs(self.reference, mb) if own else self._zeros(mb)
                                    for mb, own in zip(microbatches, mine, strict=True)])
+        proximal_s, started = time.perf_counter() - started, time.perf_counter()
         full = _FullBatch(microbatches, size, old, behavior, ref, self.device, sum_sq)
         num_units = full.num_units(self.objective.loss_aggregation)
         norms = None
@@ -200,13 +203,17 @@ class TorchLearner:
             output = self.objective(whole, context)
             lr_scale = self.lr_rule(StepSizeInputs(output.log_is_weights, output.valid, lags))
         base_lr = lr_at(self.optim_config, self.step_count)
+        gradient_s, started = time.perf_counter() - started, time.perf_counter()
         grad_norm = self._finish(float(lr_scale.scale))
+        optimizer_s = time.perf_counter() - started
         metrics: dict[str, Any] = {key: _plain(value) for key, value in output.metrics.items()}
         metrics.update({key: _plain(value) for key, value in lr_scale.metrics.items()})
         metrics.update({"lr/base": base_lr, "grad/norm": grad_norm,
                         "train/trajectories": size, "train/micro_batches": len(microbatches),
                         "train/nonfinite_trajectories": int(output.counts.nonfinite_trajectories),
-                        "train/degenerate_groups": int(output.counts.degenerate_groups)})
+                        "train/degenerate_groups": int(output.counts.degenerate_groups),
+                        "time/learner_proximal": proximal_s, "time/learner_gradient": gradient_s,
+                        "time/learner_optimizer": optimizer_s})
         if self.data_parallel is not None:
             metrics.update(self._balance_metrics(ranked))
         return metrics

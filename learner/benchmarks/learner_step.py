@@ -1,11 +1,26 @@
-"""Learner throughput: step time, tokens/s and peak memory of the torch and megatron learners.
+"""Learner throughput: step time and its phases, tokens/s, peak memory, and model FLOPs/s as a fraction
+of the matmul peak measured in the same run, for the torch and megatron learners.
 
 `bench_learner` builds a random Llama/Qwen2-shaped checkpoint (`BenchShape`), one random minibatch of
-groups, and times `steps` optimizer steps after `warmup` untimed ones, returning a JSON-able dict.
+groups (`BenchBatch`: each group's trajectories share their first `prompt` tokens, as a prompt is),
+and times `steps` optimizer steps after `warmup` untimed ones, returning a JSON-able dict. The
+defaults are the default run's step (SmolLM2-135M, 2 × 8 trajectories of 300 tokens, 70 sampled).
+
+Model FLOPs (`model_flops`) are what one training step of the objective needs, whatever the
+implementation: forward + backward (6 FLOPs per parameter per token) of every linear layer of the
+body over all tokens, of the output head over the trained tokens only (no other position needs
+logits), and of causal attention within each trajectory. Not counted: the separate proximal forward
+(log π_old), the per-trajectory gradient norms, casts — overheads an implementation may avoid. The
+fraction of peak (`mfu`) divides model FLOPs/s by the best n×n×n GEMM rate of the learner's matmul
+dtype (bf16 under autocast), measured right after the timed steps in the same process and threads.
+`roofline_fraction` is the share of the step the step's own matmuls would take at the measured peaks
+of the dtypes they run in (the proximal pass included) — how far the implementation is from its
+own matmul bound.
+
 The megatron backend needs CUDA (megatron-core hard-codes it) and a process group of TP ranks
 (torchrun for TP > 1); the torch backend runs on CPU or one GPU, in the weights' dtype ('torch')
-or under bf16 autocast over fp32 weights ('torch-autocast', `learner.autocast=bfloat16`). The same
-batch and objective for all, so their numbers compare directly.
+or under bf16 autocast over fp32 weights ('torch-autocast', `learner.autocast=bfloat16`). A bf16 row
+on a device that only emulates bf16 is skipped at once, with the reason (it would run for minutes).
 
 What it does not do: read configs or print (the CLI does), generate with an engine (the behaviour
 log-probs are random near the model's), or measure weight sync.
@@ -13,6 +28,7 @@ log-probs are random near the model's), or measure weight sync.
 
 from __future__ import annotations
 
+import math
 import random
 import resource
 import tempfile
@@ -25,6 +41,8 @@ import torch
 
 from configs.schema import AlgoConfig, LearnerBenchConfig, MegatronConfig, OptimConfig
 from learner.backends.torch_learner import StepInput, TorchLearner
+from learner.benchmarks.host import host_description
+from learner.forward.logprobs import native_bf16
 from rollout.trajectory import Trajectory, TrajectoryVersions
 
 
@@ -44,13 +62,14 @@ class BenchShape:
 
 @dataclass(frozen=True)
 class BenchBatch:
-    """The timed minibatch: groups × group_size trajectories of `tokens` tokens, the last `sampled` of
-    them trained."""
+    """The timed minibatch: groups × group_size trajectories of `tokens` tokens; the first `prompt` are
+    the same for a group's members, the last `sampled` are trained."""
 
-    groups: int = 8
-    group_size: int = 4
-    tokens: int = 512
-    sampled: int = 384
+    groups: int = 2
+    group_size: int = 8
+    tokens: int = 300
+    sampled: int = 70
+    prompt: int = 0
 
 
 def write_random_checkpoint(shape: BenchShape, out_dir: Path, seed: int = 0) -> Path:
@@ -73,16 +92,71 @@ def random_batch(batch: BenchBatch, vocab_size: int, seed: int = 0) -> StepInput
     uniform = -torch.log(torch.tensor(float(vocab_size))).item()
     trajectories, group_ids = [], []
     for group in range(batch.groups):
+        prompt = tuple(rng.randrange(vocab_size) for _ in range(batch.prompt))
         for member in range(batch.group_size):
             mask = (False,) * (batch.tokens - batch.sampled) + (True,) * batch.sampled
+            rest = tuple(rng.randrange(vocab_size) for _ in range(batch.tokens - batch.prompt))
             trajectories.append(Trajectory(
                 trajectory_id=f"b{group}.{member}", group_id=str(group),
-                token_ids=tuple(rng.randrange(vocab_size) for _ in range(batch.tokens)), loss_mask=mask,
+                token_ids=prompt + rest, loss_mask=mask,
                 behavior_logprobs=tuple(uniform + rng.gauss(0, 0.01) if m else 0.0 for m in mask),
                 versions=TrajectoryVersions(start=0, end=0), reward=float(rng.random() < 0.5)))
             group_ids.append(group)
     size = len(trajectories)
     return StepInput(trajectories, group_ids, [0] * size, [True] * size)
+
+
+def _linear_parameters(shape: BenchShape) -> tuple[int, int]:
+    """(body, head): weights of the body's linear layers (attention and MLP, all layers) and of the
+    output head, as HF Llama/Qwen2 lay them out (biases ignored: negligible)."""
+    head_dim = shape.hidden_size // shape.num_attention_heads
+    q, kv = shape.num_attention_heads * head_dim, shape.num_key_value_heads * head_dim
+    attention = shape.hidden_size * (q + 2 * kv) + q * shape.hidden_size
+    mlp = 3 * shape.hidden_size * shape.intermediate_size
+    return shape.num_hidden_layers * (attention + mlp), shape.vocab_size * shape.hidden_size
+
+
+def model_flops(shape: BenchShape, batch: BenchBatch) -> dict[str, float]:
+    """FLOPs one training step of the minibatch needs (see the module docstring): forward + backward
+    of the body's linear layers over all tokens, of the head over the trained tokens, and of causal
+    attention inside each trajectory; plus what a separate proximal forward adds on top."""
+    body, head = _linear_parameters(shape)
+    trajectories = batch.groups * batch.group_size
+    tokens, trained = trajectories * batch.tokens, trajectories * batch.sampled
+    q_width = shape.hidden_size // shape.num_attention_heads * shape.num_attention_heads
+    # causal QKᵀ and PV: 2 × 2 × width × T(T+1)/2 multiply-adds per layer and trajectory, forward
+    attention_forward = (shape.num_hidden_layers * trajectories * 2 * q_width
+                         * batch.tokens * (batch.tokens + 1))
+    forward = 2 * body * tokens + 2 * head * trained + attention_forward
+    return {"model_flops": 3.0 * forward, "forward_flops": float(forward),
+            "proximal_forward_flops": float(forward)}
+
+
+def matmul_peak_gflops(dtype: torch.dtype, device: str, size: int = 2048, repeats: int = 5) -> float:
+    """The best rate of an n×n×n matrix product in `dtype` on `device` (GFLOP/s) over `repeats` runs,
+    after one warm-up: the matmul peak the learner's FLOPs are measured against, on the same threads."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    best = math.inf
+    for attempt in range(repeats + 1):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        torch.mm(a, b)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        if attempt:
+            best = min(best, time.perf_counter() - started)
+    return 2.0 * size**3 / best / 1e9
+
+
+def unsupported_reason(backend: str, device: str, dtype: str) -> str | None:
+    """Why `backend` in `dtype` would not run at hardware speed here (None: it would)."""
+    matmul = "bfloat16" if backend == "torch-autocast" else dtype
+    if matmul == "bfloat16" and not native_bf16(torch.device(device)):
+        return (f"{device} does bf16 matmuls only in emulation here (no AVX-512-BF16/AMX): a step would "
+                "take minutes; run backends=[torch] dtype=float32, or force_emulated=true to time it anyway")
+    return None
 
 
 def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: torch.dtype,
@@ -120,12 +194,15 @@ def _peak_memory_mib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (KiB on Linux)
 
 
+PHASES = ("time/learner_proximal", "time/learner_gradient", "time/learner_optimizer")
+
+
 def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, device: str = "cpu",
                   shape: BenchShape | None = None, batch: BenchBatch | None = None,
                   objective: Literal["grpo", "vcpo"] = "grpo",
                   dtype: Literal["float32", "bfloat16"] = "float32", micro_batch_tokens: int = 4096,
                   steps: int = 3, warmup: int = 1, megatron: MegatronConfig | None = None,
-                  seed: int = 0) -> dict[str, Any]:
+                  peak_gemm_size: int = 2048, seed: int = 0) -> dict[str, Any]:
     """Time `steps` learner steps (after `warmup`) on one random batch; a JSON-able dict of the results.
 
     `peak_memory_mib`: CUDA peak allocated bytes on GPUs; on CPU the process's peak RSS (includes
@@ -144,22 +221,39 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, phases = [], {name: [] for name in PHASES}
     for _ in range(steps):
         started = time.perf_counter()
-        learner.step(step_input)
+        metrics = learner.step(step_input)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
+        for name in PHASES:
+            phases[name].append(float(metrics.get(name, math.nan)))
     tokens = batch.groups * batch.group_size * batch.tokens
     mean = sum(times) / len(times)
+    # the peaks right after the timed steps: same process, threads and (as near as can be) host state
+    matmul_dtype = "bfloat16" if backend == "torch-autocast" else dtype
+    peaks = {name: matmul_peak_gflops(getattr(torch, name), device, peak_gemm_size)
+             for name in dict.fromkeys([matmul_dtype, dtype])}
+    flops = model_flops(shape, batch)
+    model_gflops_per_s = flops["model_flops"] / mean / 1e9
+    # the step's own matmuls at the peaks of their dtypes: the proximal forward in the weights' dtype,
+    # the gradient passes in the matmul dtype
+    roofline_s = (flops["proximal_forward_flops"] / (peaks[dtype] * 1e9)
+                  + flops["model_flops"] / (peaks[matmul_dtype] * 1e9))
     return {
-        "backend": backend, "device": device, "dtype": dtype, "objective": objective,
+        "backend": backend, "device": device, "dtype": dtype, "matmul_dtype": matmul_dtype,
+        "objective": objective,
         "shape": asdict(shape), "batch": asdict(batch), "micro_batch_tokens": micro_batch_tokens,
         "parameters_on_rank": sum(p.numel() for p in learner.model.parameters()),
         "megatron": (megatron or MegatronConfig()).model_dump() if backend == "megatron" else None,
         "step_s": times, "step_s_mean": mean, "step_s_min": min(times),
+        "phases_s_mean": {name.removeprefix("time/learner_"): sum(v) / len(v) for name, v in phases.items()},
         "tokens_per_step": tokens, "tokens_per_s": tokens / mean, "peak_memory_mib": _peak_memory_mib(device),
+        "model_flops_per_step": flops["model_flops"], "model_gflops_per_s": model_gflops_per_s,
+        "matmul_peak_gflops": peaks, "mfu": model_gflops_per_s / peaks[matmul_dtype],
+        "roofline_fraction": roofline_s / mean,
     }
 
 
@@ -172,18 +266,25 @@ def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
                        num_attention_heads=config.num_attention_heads,
                        num_key_value_heads=config.num_key_value_heads)
     batch = BenchBatch(groups=config.groups, group_size=config.group_size, tokens=config.tokens,
-                       sampled=config.sampled)
+                       sampled=config.sampled, prompt=config.prompt)
     results: dict[str, Any] = {}
     for backend in config.backends:
+        skip = None if config.force_emulated or backend == "megatron" else unsupported_reason(
+            backend, device, config.dtype)
+        if skip is not None:
+            results[backend] = {"backend": backend, "device": device, "skipped": skip}
+            continue
         try:
             results[backend] = bench_learner(backend, device=device, shape=shape, batch=batch,
                                              objective=config.objective, dtype=config.dtype,
                                              micro_batch_tokens=config.micro_batch_tokens, steps=config.steps,
-                                             warmup=config.warmup)
+                                             warmup=config.warmup, peak_gemm_size=config.peak_gemm_size)
         except (ValueError, RuntimeError, ImportError) as exc:
             results[backend] = {"backend": backend, "device": device, "error": f"{type(exc).__name__}: {exc}"}
     baseline = results.get("torch", {}).get("tokens_per_s")
     for result in results.values():
         if baseline and "tokens_per_s" in result:
             result["vs_torch"] = round(result["tokens_per_s"] / baseline, 3)
-    return {"config": config.model_dump(mode="json"), "device": device, "results": results}
+    return {"config": config.model_dump(mode="json"), "device": device, "host": host_description(),
+            "results": results}
+

@@ -50,6 +50,7 @@ from typing import Any
 
 from configs.schema import RunConfig, StalenessBenchConfig, StalenessMethodConfig
 from learner.benchmarks import staleness_tasks
+from learner.benchmarks.host import host_description
 from learner.observability import metric_names as names
 from vcpo import metrics as vcpo_metrics
 
@@ -183,25 +184,6 @@ def run_one(bench: StalenessBenchConfig, method: StalenessMethodConfig, lag: int
     return {"method": method.name, "lag": lag, "seed": seed, "numerics": numerics, "lr": method.lr,
             "steps": summary.steps, "wall_s": round(time.perf_counter() - started, 1), "final_success": final,
             "host": host_description(), "curves": curves, **summarize_curves(curves, bench.collapse_fraction)}
-
-
-def host_description() -> dict[str, str]:
-    """Where a run trained: floating-point results differ in the last bits between CPU kernels (AVX2,
-    AVX-512, AMX) and library versions, so a stored run says which it came from."""
-    import platform
-
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def _number(value: Any) -> float | None:

@@ -56,6 +56,12 @@ TIME_GENERATE = "time/generate"
 """Seconds the rollout side spent generating this step's batch (overlaps training when async)."""
 TIME_TRAIN = "time/train"
 """Seconds of the learner's forward/backward/optimiser work this step."""
+TIME_LEARNER_PROXIMAL = "time/learner_proximal"
+"""Seconds of the learner step's proximal pass (log π_old, in the weights' dtype, no grad)."""
+TIME_LEARNER_GRADIENT = "time/learner_gradient"
+"""Seconds of the learner step's gradient passes (forwards, backwards, per-trajectory norms)."""
+TIME_LEARNER_OPTIMIZER = "time/learner_optimizer"
+"""Seconds of the learner step's gradient clip and optimizer step."""
 TIME_WEIGHT_SYNC = "time/weight_sync"
 """Seconds spent pushing the new weights to the inference engine."""
 TIME_IDLE_LEARNER = "time/idle_learner"
@@ -126,6 +132,9 @@ REQUIRED_EVERY_STEP = (
 
 OPTIONAL = (
     TIME_STEP,
+    TIME_LEARNER_PROXIMAL,
+    TIME_LEARNER_GRADIENT,
+    TIME_LEARNER_OPTIMIZER,
     PERF_TOKENS_PER_S,
     ROLLOUT_TURNS_MEAN,
     ROLLOUT_TOOL_CALLS_MEAN,
@@ -203,6 +212,9 @@ __all__ = [
     "TIME_GENERATE",
     "TIME_IDLE_LEARNER",
     "TIME_IDLE_ROLLOUT",
+    "TIME_LEARNER_GRADIENT",
+    "TIME_LEARNER_OPTIMIZER",
+    "TIME_LEARNER_PROXIMAL",
     "TIME_STEP",
     "TIME_TRAIN",
     "TIME_WEIGHT_SYNC",

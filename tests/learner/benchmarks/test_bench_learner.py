@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from learner.benchmarks.learner_step import BenchBatch, BenchShape, bench_learner
+from configs.schema import LearnerBenchConfig
+from learner.benchmarks.learner_step import BenchBatch, BenchShape, bench_learner, random_batch
 from learner.cli import main
 
 TINY = BenchShape(kind="qwen2", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -35,7 +36,8 @@ def test_cli_bench_learner_reports_each_backend_and_the_ratio(tmp_path: Path) ->
     out = tmp_path / "learner.json"
     overrides = ["backends=[torch,torch-autocast,megatron]", "device=cpu", "kind=qwen2", "vocab_size=128",
                  "hidden_size=32", "intermediate_size=64", "num_hidden_layers=1", "num_attention_heads=2",
-                 "num_key_value_heads=1", "groups=2", "group_size=2", "tokens=24", "sampled=16", "steps=2"]
+                 "num_key_value_heads=1", "groups=2", "group_size=2", "tokens=24", "prompt=4", "sampled=16",
+                 "steps=2", "peak_gemm_size=128", "force_emulated=true"]
     assert main(["bench", "learner", "--out", str(out), *overrides]) == 0
     result = json.loads(out.read_text())
     torch_row, megatron_row = result["results"]["torch"], result["results"]["megatron"]
@@ -44,3 +46,41 @@ def test_cli_bench_learner_reports_each_backend_and_the_ratio(tmp_path: Path) ->
     autocast_row = result["results"]["torch-autocast"]
     assert autocast_row["vs_torch"] == pytest.approx(torch_row["step_s_mean"] / autocast_row["step_s_mean"],
                                                      abs=0.001)
+    for row in (torch_row, autocast_row):  # FLOPs/s against the peak of the row's matmul dtype, same run
+        peak = row["matmul_peak_gflops"][row["matmul_dtype"]]
+        assert row["mfu"] == pytest.approx(row["model_gflops_per_s"] / peak)
+        assert 0 < row["mfu"] < 1 and 0 < row["roofline_fraction"] < 1
+        assert set(row["phases_s_mean"]) == {"proximal", "gradient", "optimizer"}
+        assert sum(row["phases_s_mean"].values()) <= row["step_s_mean"]
+    assert (torch_row["matmul_dtype"], autocast_row["matmul_dtype"]) == ("float32", "bfloat16")
+    assert result["host"]["cpu"] and result["host"]["threads"] >= 1
+
+
+def test_model_flops_count_the_body_over_all_tokens_the_head_over_trained_ones_and_attention() -> None:
+    from learner.benchmarks.learner_step import model_flops
+
+    # qwen2 tiny: head_dim 16, q 32, kv 16: attention 32*(32+32) + 32*32 = 3072, mlp 3*32*64 = 6144
+    body, head = 3072 + 6144, 128 * 32
+    batch = BenchBatch(groups=2, group_size=2, tokens=24, sampled=16, prompt=4)
+    flops = model_flops(TINY, batch)
+    attention = 1 * 4 * 2 * 32 * 24 * 25  # layers × trajectories × 2 × q width × T(T+1), forward
+    forward = 2 * body * 96 + 2 * head * 64 + attention
+def test_model_flops_count_body_over_all_tokens_head_over_trained_ones_and_attention() -> None:
+
+
+def test_a_bf16_row_on_a_cpu_that_emulates_bf16_is_skipped_at_once_with_the_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import learner.benchmarks.learner_step as bench
+
+    monkeypatch.setattr(bench, "native_bf16", lambda device: False)
+    monkeypatch.setattr(bench, "bench_learner", lambda *a, **k: pytest.fail("an emulated bf16 row ran"))
+    config = LearnerBenchConfig(backends=["torch-autocast"], device="cpu")
+    row = bench.run_learner_bench(config)["results"]["torch-autocast"]
+    assert "only in emulation" in row["skipped"] and "force_emulated=true" in row["skipped"]
+
+
+def test_random_batch_shares_each_groups_prompt() -> None:
+    batch = random_batch(BenchBatch(groups=2, group_size=3, tokens=10, sampled=3, prompt=4), 50)
+    ids = [t.token_ids for t in batch.trajectories]
+    assert ids[0][:4] == ids[1][:4] == ids[2][:4] and ids[0][:4] != ids[3][:4]
+    assert ids[0][4:] != ids[1][4:]
