@@ -65,7 +65,8 @@ def test_model_flops_count_the_body_over_all_tokens_the_head_over_trained_ones_a
     flops = model_flops(TINY, batch)
     attention = 1 * 4 * 2 * 32 * 24 * 25  # layers × trajectories × 2 × q width × T(T+1), forward
     forward = 2 * body * 96 + 2 * head * 64 + attention
-def test_model_flops_count_body_over_all_tokens_head_over_trained_ones_and_attention() -> None:
+    assert flops == {"model_flops": 3.0 * forward, "forward_flops": forward,
+                     "proximal_forward_flops": forward}
 
 
 def test_a_bf16_row_on_a_cpu_that_emulates_bf16_is_skipped_at_once_with_the_reason(
