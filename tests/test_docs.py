@@ -247,8 +247,10 @@ def _split(text: str) -> list[str]:
 
 def vcpo_commands(text: str) -> list[DocCommand]:
     md = parse_markdown(text)
-    return [DocCommand(line.strip(), _split(line[m.end():]))
-            for line in _code_lines(md, without_comments=True) for m in _VCPO.finditer(line)]
+    commands = [DocCommand(line.strip(), _split(line[m.end():]))
+                for line in _code_lines(md, without_comments=True) for m in _VCPO.finditer(line)]
+    # "vcpo train: …" is the program's own output quoted in a doc, not a command
+    return [c for c in commands if not (c.tokens and c.tokens[0].endswith(":"))]
 
 
 def _parser() -> argparse.ArgumentParser:
