@@ -505,6 +505,8 @@ class LearnerBenchConfig(StrictModel):
     """Parameter dtype of the learners (bf16 on GPUs)."""
     objective: Literal["grpo", "vcpo"] = "vcpo"
     """The step timed: plain GRPO, or VCPO with its per-trajectory gradient norms."""
+    proximal: Literal["separate", "reuse", "auto"] = "auto"
+    """Where log π_old comes from (`learner.proximal`: a separate forward, or the gradient pass's)."""
     kind: Literal["llama", "qwen2"] = "llama"
     """Architecture of the random model."""
     hidden_size: int = Field(576, ge=8)
@@ -535,8 +537,9 @@ class LearnerBenchConfig(StrictModel):
     """Timed steps (after `warmup` untimed ones)."""
     warmup: int = Field(1, ge=0)
     """Untimed steps first (allocator and kernel warm-up)."""
-    peak_gemm_size: int = Field(2048, ge=64)
-    """n of the n×n×n GEMM whose best time over a few repeats is the measured matmul peak."""
+    peak_gemm_size: int = Field(4096, ge=64)
+    """n of the n×n×n GEMM whose best time over 8 repeats, before and after the timed steps, is the
+    measured matmul peak."""
     force_emulated: bool = False
     """Run a bf16 backend even where the device only emulates bf16 (minutes per step on AVX2-only CPUs);
     by default such a row is skipped at once with the reason."""
@@ -681,6 +684,15 @@ class LearnerConfig(StrictModel):
     """With autocast: also run the no-grad proximal forward (log π_old, hence IS weights, ESS and VCPO's
     coefficients) in bf16. Off keeps them exact against an fp32 engine (ESS ratio 1 at lag 0); on saves
     that forward's time but adds bf16 noise (~0.04/token) to every importance weight."""
+    proximal: Literal["separate", "reuse", "auto"] = "auto"
+    """Where log π_old (IS weights, ESS, VCPO's coefficients) comes from. 'separate': a no-grad
+    forward of its own, in the weights' dtype, before the gradient pass. 'reuse' (the authors'
+    `skip_recompute_old_log_prob`): the gradient pass's own forward — one step per minibatch, so
+    π_θ = π_old there — which saves that forward (about a quarter of a VCPO step) but under autocast
+    gives IS weights with bf16 rounding in them (measured in docs/results.md). 'auto': 'reuse' where
+    that forward is in the weights' dtype anyway (no autocast: the same log-probs), else 'separate'.
+    Reuse applies to VCPO on the torch learner's fast norm path; elsewhere the learner keeps the
+    separate forward."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallel layout and kernels of backend='megatron' (ignored by 'torch')."""
 

@@ -95,7 +95,8 @@ class TorchLearner:
 
     def __init__(self, model: nn.Module, algo: AlgoConfig, optim: OptimConfig, *, micro_batch_tokens: int,
                  temperature: float = 1.0, autocast_dtype: torch.dtype | None = None,
-                 autocast_proximal: bool = False, data_parallel: DataParallel | None = None) -> None:
+                 autocast_proximal: bool = False, data_parallel: DataParallel | None = None,
+                 proximal: str = "separate") -> None:
         self.model = model.train()
         self.data_parallel = data_parallel
         """None: one process. Else this replica's rank among the data-parallel ones (module docstring)."""
@@ -103,6 +104,8 @@ class TorchLearner:
         """Gradient forwards under autocast in this dtype (bf16 matmuls, fp32 weights, grads and
         optimizer); None = the weights' dtype throughout."""
         self.autocast_proximal = autocast_proximal
+        self.proximal = proximal
+        """'separate' | 'reuse' | 'auto' (LearnerConfig.proximal): where log π_old comes from."""
         """Also the no-grad proximal forward (log π_old: IS weights, ESS, VCPO's coefficients). Off, those
         stay in the weights' dtype, so an fp32 engine's ratios at lag 0 stay exactly 1."""
         self.algo, self.optim_config = algo, optim
@@ -173,8 +176,11 @@ class TorchLearner:
         behavior = [self._behavior(batch.trajectories, mb) for mb in microbatches]
         sum_sq = None
         started = time.perf_counter()  # phase times: CPU-synchronous; on CUDA they time the launches
+        reuse = self.reuses_gradient_forward
         with torch.no_grad():  # each rank its own micro-batches; zeros stand in for the others' until _share
-            if self.objective.needs_sum_probs_squared:  # OTB: Σ_v π_old(v)² from the same forward
+            if reuse:  # log π_old from the gradient pass's forward (filled in by _vcpo_gradient)
+                old = [self._zeros(mb) for mb in microbatches]
+            elif self.objective.needs_sum_probs_squared:  # OTB: Σ_v π_old(v)² from the same forward
                 stats = [self._target_stats(mb) if own else (self._zeros(mb), self._zeros(mb))
                          for mb, own in zip(microbatches, mine, strict=True)]
                 old, sum_sq = self._share([lp for lp, _ in stats]), self._share([sq for _, sq in stats])
@@ -190,7 +196,7 @@ class TorchLearner:
         num_units = full.num_units(self.objective.loss_aggregation)
         norms = None
         if self.objective.needs_grad_norms:
-            norms = self._vcpo_gradient(full, rewards, group_ids, mine)
+            norms = self._vcpo_gradient(full, rewards, group_ids, mine, reuse=reuse)
         # log π_θ = log π_old in value at the gradient point. Every rank has the whole minibatch's
         # old/ref/Σπ² (`_share`) and VCPO's norms, so the context is the global one on every rank.
         whole = full.inputs(full.old, rewards, group_ids, lags, norms, num_units)
@@ -339,10 +345,21 @@ class TorchLearner:
         for inputs, local_context in self._microbatch_losses(full, context, rewards, group_ids, lags, mine):
             self.objective.regularizer_loss(inputs, local_context).backward()
 
+    @property
+    def reuses_gradient_forward(self) -> bool:
+        """Whether this step takes log π_old from the gradient pass's forward (`proximal`): VCPO on the
+        fast norm path, without the OTB statistics; 'auto' only where that forward is in the weights'
+        dtype (no autocast), so the log-probs are those a separate forward would give."""
+        if self.proximal == "separate" or not self.objective.needs_grad_norms:
+            return False
+        if self.algo.objective.opob.grad_norm_path != "fast" or self.objective.needs_sum_probs_squared:
+            return False
+        return self.proximal == "reuse" or self.autocast_dtype is None
+
     def _vcpo_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor,
-                       mine: list[bool]) -> Tensor:
+                       mine: list[bool], *, reuse: bool = False) -> Tensor:
         """VCPO's gradient with exact per-trajectory norms (this rank's groups); returns ‖∇ℓ_i‖² (B,) of
-        the whole minibatch."""
+        the whole minibatch. With `reuse`, `full.old` is filled here from the gradient forwards."""
         objective = self.objective
         log_w = full.seq_log_ratios()
         counts = full.trained_counts()
@@ -369,7 +386,28 @@ class TorchLearner:
             for mb in live:
                 packed[mb.trajectory_indices] = True
             reward_coef, baseline_coef = reward_coef * packed, baseline_coef * packed
-        sq_norms = self._accumulate_opob(live, reward_coef, baseline_coef, baseline)
+        if not reuse:
+            sq_norms = self._accumulate_opob(live, reward_coef, baseline_coef, baseline)
+        else:
+            positions = [next(i for i, mb in enumerate(full.microbatches) if mb is part) for part in live]
+
+            def from_logprobs(m: int, logprobs: Tensor) -> tuple[Tensor, Tensor]:
+                """Micro-batch m's IS weights from its own forward, and from them its coefficients
+                (σ_g, the keep mask and B depend on rewards alone, so the others' weights do not matter)."""
+                index = positions[m]
+                pad, local = full.padding[index], full.microbatches[index].trajectory_indices
+                full.old[index] = logprobs
+                log_w[local] = ((pad(logprobs) - pad(full.behavior[index])) * pad.mask).sum(dim=-1)
+                weights[local] = sequence_is_weights(log_w[local], objective.max_log_ratio)
+                truncated[local] = truncated_is_weights(weights[local], objective.is_cap)
+                part = objective.gradient_coefficients(truncated, rewards, valid, groups, full.size)
+                return part.reward_coef[local].float(), part.baseline_coef[local].float()
+
+            placeholder = torch.zeros_like(reward_coef)
+            sq_norms = accumulate_opob_grad_packed(
+                self.model, live, placeholder, placeholder, baseline, autocast_dtype=self.autocast_dtype,
+                temperature=self.temperature, coefficients_from_logprobs=from_logprobs).sq_norms
+            full.old[:] = self._share(full.old)  # every rank: the whole minibatch's log π_old
         if self.data_parallel is None:
             return sq_norms
         return self.data_parallel.all_reduce_sum_(sq_norms.detach().float().clone())

@@ -15,10 +15,11 @@ more than once per forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import TracebackType
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from learner.forward.logprobs import autocast, packed_target_logprobs
@@ -72,6 +73,7 @@ class PackedGradHooks:
         self.params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
         self._handles: list[RemovableHandle] = []
         self._saved_flags: list[tuple[nn.Parameter, bool]] = []
+        self._masters: list[tuple[nn.Module, nn.Parameter]] = []
 
     def _scan(self, model: nn.Module) -> None:
         """Give every module owning a trainable parameter a handler; report all misfits at once."""
@@ -112,6 +114,7 @@ class PackedGradHooks:
                 param.requires_grad_(False)
             for module, handler in self.hooked:
                 self._handles.append(module.register_forward_hook(handler.forward_hook))
+            self._cast_linear_weights()
         except BaseException:
             self._restore()
             raise
@@ -122,7 +125,28 @@ class PackedGradHooks:
     ) -> None:
         self._restore()
 
+    def _cast_linear_weights(self) -> None:
+        """Under autocast, give every hooked `nn.Linear` a compute-dtype copy of its weight for the pass.
+
+        Autocast casts a weight at every use, and caches the cast only for parameters that require
+        grad — which these do not here (the handlers build the weight gradients). So each forward cast
+        every linear weight again (~0.4 GB of copies per micro-batch for a 135M model). One cast per
+        step instead: the same rounding, hence the same forward and gradient; the handlers keep the
+        fp32 master parameters (`handler.weight`), which the gradients go to."""
+        if self.autocast_dtype is None:
+            return
+        for module, handler in self.hooked:
+            master = module._parameters.get("weight")
+            if (isinstance(handler, LinearHandler) and master is not None
+                    and master.dtype != self.autocast_dtype):
+                module._parameters["weight"] = nn.Parameter(master.detach().to(self.autocast_dtype),
+                                                            requires_grad=False)
+                self._masters.append((module, master))
+
     def _restore(self) -> None:
+        for module, master in self._masters:  # the fp32 masters back (a tied lm_head re-tied)
+            module._parameters["weight"] = master
+        self._masters = []
         for handle in self._handles:
             handle.remove()
         for param, flag in self._saved_flags:
@@ -136,11 +160,14 @@ class PackedGradHooks:
         if self.embedding is not None:
             self.embedding.bind(state)
 
-    def backward(self, state: MicroBatchState) -> None:
+    def backward(self, state: MicroBatchState,
+                 after_forward: Callable[[Tensor], None] | None = None) -> None:
         """Forward + one backward of `Σ_j ℓ_j` for `state.batch`; fills `state.sq_norms`.
 
         Saved inputs and output gradients stay alive until the next `backward` or exit, for
         `apply`. A micro-batch without targets has `g_j = 0` and runs no model at all.
+        `after_forward(log_probs)` (detached, (K,) as `packed_target_logprobs`) runs between the
+        forward and the backward — where coefficients that need this forward's log-probs are set.
         """
         self._bind(state)
         batch = state.batch
@@ -151,6 +178,8 @@ class PackedGradHooks:
             with autocast(self.device, self.autocast_dtype):
                 logprobs = packed_target_logprobs(self.model, batch, inputs_embeds=embedded,
                                                   temperature=self.temperature)
+            if after_forward is not None:
+                after_forward(logprobs.detach())
             loss = (logprobs * batch.target_weights[batch.target_positions]).sum()
             loss.backward()
         if self.embedding is not None and embedded.grad is not None:

@@ -56,6 +56,10 @@ BaselineFn = Callable[[int, Tensor, Tensor], float]
 """`baseline_fn(group_id, member_indices (m,) long ascending, sq_norms (m,) fp32) -> b*_g`.
 Called exactly once per group, as soon as the last member's norm is complete."""
 
+CoefficientsFn = Callable[[int, Tensor], tuple[Tensor, Tensor]]
+"""`coefficients(m, log_probs) -> (a, s)`: micro-batch m's (n,) coefficients from its forward's (K,) target
+log-probs (`accumulate_opob_grad_packed`)."""
+
 RankSqNorm = Callable[[Sequence[nn.Parameter], Sequence[Tensor]], Tensor]
 """`rank_sq_norm(params, grads) -> ()` fp32: this rank's share of one trajectory's `‖g_i‖²`."""
 
@@ -88,6 +92,8 @@ class OpobGradResult:
     """`b*_g` per group id, as returned by `baseline_fn`."""
     max_open_groups: int
     """Most `S_g` buffers alive at once (peak extra memory ≈ this × trainable parameter size)."""
+    logprobs: list[Tensor] | None = None
+    """With `coefficients_from_logprobs`: each micro-batch's target log-probs from its own forward."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,7 @@ def accumulate_opob_grad_packed(
     dense_cost_flops: float | None = None,
     autocast_dtype: torch.dtype | None = None,
     temperature: float = 1.0,
+    coefficients_from_logprobs: CoefficientsFn | None = None,
 ) -> OpobGradResult:
     """OPOB gradient on packed micro-batches: one forward and one backward each, exact norms.
 
@@ -171,7 +178,10 @@ def accumulate_opob_grad_packed(
     the forwards under autocast in that dtype (weight gradients are then taken in it, as autograd's
     would be, and accumulated in the weights' dtype; norms are summed in fp32). `temperature`: the
     behaviour policy's sampling temperature T — ℓ_i is of softmax(logits / T), as in the proximal pass
-    whose log-probs make the IS weights. Raises
+    whose log-probs make the IS weights. `coefficients_from_logprobs(m, log_probs)`: when given, micro-
+    batch `m`'s `a_j`, `s_j` come from it, called with the log-probs of that micro-batch's own forward
+    (detached) before its backward — the coefficient tensors passed in are then only placeholders
+    (zeros) — and `OpobGradResult.logprobs` holds those log-probs (`learner.proximal: reuse`). Raises
     `UnsupportedParameterError` (naming them) if some trainable parameter has no hook. Hooks
     and `requires_grad` flags are always restored; after an exception `.grad` is partial.
     """
@@ -183,6 +193,7 @@ def accumulate_opob_grad_packed(
     )
     sq_norms = torch.zeros(num_trajectories, dtype=torch.float32, device=hooks.device)
     buffers, baselines = GroupBuffers(), {}
+    forward_logprobs: list[Tensor] = []
     with hooks:
         for m, batch in enumerate(microbatches):
             local = batch.trajectory_indices
@@ -194,7 +205,16 @@ def accumulate_opob_grad_packed(
                 dense_cost_flops=cost,
                 vocab_size=hooks.vocab_size,
             )
-            hooks.backward(state)
+            after_forward = None
+            if coefficients_from_logprobs is not None:
+                forward_logprobs.append(torch.zeros(batch.target_positions.numel(), device=hooks.device))
+
+                def after_forward(logprobs: Tensor, m: int = m, state: MicroBatchState = state) -> None:
+                    forward_logprobs[m] = logprobs.float()
+                    reward, baseline = coefficients_from_logprobs(m, forward_logprobs[m])
+                    state.set_coefficients(reward.float(), baseline.float())
+
+            hooks.backward(state, after_forward)
             sq_norms[local] = state.sq_norms
             closing = schedule.closing_after(m)
             for group in closing:
@@ -202,7 +222,8 @@ def accumulate_opob_grad_packed(
             hooks.apply(_apply_plan(state, closing, baselines))
             for group in closing:
                 _close_group(buffers, group, baselines[group], grad_of)
-    return OpobGradResult(sq_norms, baselines, buffers.max_open_groups)
+    return OpobGradResult(sq_norms, baselines, buffers.max_open_groups,
+                          forward_logprobs if coefficients_from_logprobs is not None else None)
 
 
 def _apply_plan(state: MicroBatchState, closing: list[int], baselines: dict[int, float]) -> ApplyPlan:

@@ -150,6 +150,11 @@ class MegatronLearner(TorchLearner):
 
     # --- the pieces of the step that see the shards ------------------------------------------------
 
+    @property
+    def reuses_gradient_forward(self) -> bool:
+        """Never: the norms come from `_accumulate_opob` below (per trajectory, summed over shards)."""
+        return False
+
     def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
                          baseline_coefs: Tensor, baseline_fn: BaselineFn) -> Tensor:
         def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:

@@ -177,7 +177,7 @@ def test_the_gradient_does_not_depend_on_how_the_minibatch_is_split_into_micro_b
     for name, want in whole.items():  # fp32: only the summation order differs (measured ≤ 6e-7 · scale)
         torch.testing.assert_close(split[name], want, rtol=1e-4, atol=1e-5 * scale, msg=name)
     for key, value in metrics[1_000_000].items():
-        if key != "train/micro_batches":
+        if key != "train/micro_batches" and not key.startswith("time/"):  # time: wall clock
             assert metrics[8][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
@@ -330,3 +330,70 @@ def test_cuda_learner_takes_vcpo_and_grpo_steps(dtype: torch.dtype, autocast: to
         metrics = learner.step(StepInput(trajectories, groups, [1] * len(tokens), [True] * len(tokens)))
         assert math.isfinite(metrics["grad/norm"]) and metrics["grad/norm"] > 0
         assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+def _reuse_pair(form: str = "spec", micro_batch_tokens: int = 64
+                ) -> tuple[StepInput, TorchLearner, TorchLearner]:
+    """A minibatch sampled near the policy (behaviour log-probs = the model's + noise, so IS weights
+    are O(1) and the gradient is not ~0), rewards mixed within every group, lags 1; two learners."""
+    tokens = random_trajectories(num_groups=3, per_group=4, seed=4)
+    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo", "opob": {"form": form}}, "group_size": 4})
+    separate = _learner(algo, micro_batch_tokens=micro_batch_tokens)
+    reuse = _learner(algo, micro_batch_tokens=micro_batch_tokens)
+    reuse.proximal = "reuse"
+    with torch.no_grad():
+        own = _padded_logprobs(separate.model, tokens)
+    generator = torch.Generator().manual_seed(6)
+    trajectories, groups = [], []
+    for i, t in enumerate(tokens):
+        sampled = iter((own[i] + 0.05 * torch.randn(own.shape[1], generator=generator)).tolist())
+        logprobs = tuple(min(next(sampled), -1e-3) if m else 0.0 for m in t.loss_mask)
+        trajectories.append(Trajectory(
+            trajectory_id=f"t{i}", group_id=str(t.group_id), token_ids=tuple(t.token_ids),
+            loss_mask=tuple(t.loss_mask), behavior_logprobs=logprobs,
+            versions=TrajectoryVersions(start=0, end=0),
+            reward=float(i % 2)))
+        groups.append(t.group_id)
+    return StepInput(trajectories, groups, [1] * len(tokens), [True] * len(tokens)), separate, reuse
+
+
+@pytest.mark.parametrize("form", ["spec", "reference"])
+def test_reusing_the_fp32_gradient_forward_for_pi_old_changes_no_number_of_the_step(form: str) -> None:
+    """proximal='reuse' (what 'auto' picks without autocast): log π_old comes from the gradient pass's
+    own forward instead of a separate no-grad one. In fp32 that forward gives the same log-probs, so the
+    IS statistics, the step size, the norms and the gradient are those of the separate pass — with
+    groups spanning micro-batches, so coefficients are set micro-batch by micro-batch."""
+    step, separate, reuse = _reuse_pair(form)
+    assert not separate.reuses_gradient_forward and reuse.reuses_gradient_forward
+    separate_grads, reuse_grads = capture_grads(separate), capture_grads(reuse)
+    separate_metrics, reuse_metrics = separate.step(step), reuse.step(step)
+    assert separate_metrics["train/micro_batches"] > 3
+    assert 0.3 < separate_metrics["is/ess_ratio"] < 1.0  # weights of order 1, not all equal
+    assert max(float(g.abs().max()) for g in separate_grads.values()) > 1e-3  # a real gradient
+    for key in ("is/ess_ratio", "is/w_max", "is/log_w_mean", "lr/scale", "opob/baseline_mean"):
+        assert reuse_metrics[key] == pytest.approx(separate_metrics[key], rel=1e-5, abs=1e-7), key
+    assert reuse_metrics["time/learner_proximal"] < separate_metrics["time/learner_proximal"]
+    for name, grad in separate_grads.items():
+        torch.testing.assert_close(reuse_grads[name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max()))
+
+
+def test_auto_reuses_the_gradient_forward_only_where_it_is_in_the_weights_dtype() -> None:
+    _, learner, _ = _reuse_pair()
+    learner.proximal = "auto"
+    assert learner.reuses_gradient_forward  # fp32: the same log-probs as a separate forward
+    learner.autocast_dtype = torch.bfloat16
+    assert not learner.reuses_gradient_forward  # bf16 forward: keep the exact fp32 proximal pass
+    learner.proximal = "reuse"
+    assert learner.reuses_gradient_forward  # asked for: bf16 log π_old (the authors' choice)
+
+
+def test_reuse_under_autocast_gives_bf16_importance_weights_and_a_close_step() -> None:
+    step, separate, reuse = _reuse_pair()
+    separate.autocast_dtype = reuse.autocast_dtype = torch.bfloat16
+    separate_grads, reuse_grads = capture_grads(separate), capture_grads(reuse)
+    separate_metrics, reuse_metrics = separate.step(step), reuse.step(step)
+    assert reuse_metrics["is/log_w_mean"] != separate_metrics["is/log_w_mean"]  # bf16 log-probs
+    assert reuse_metrics["is/log_w_mean"] == pytest.approx(separate_metrics["is/log_w_mean"], abs=0.05)
+    errors = {name: float((reuse_grads[name] - grad).norm() / grad.norm())
+              for name, grad in separate_grads.items() if grad.norm() > 0}
+    assert max(errors.values()) < 0.1, errors

@@ -18,7 +18,8 @@ TINY = BenchShape(kind="qwen2", vocab_size=128, hidden_size=32, intermediate_siz
 
 def test_torch_learner_bench_reports_time_tokens_and_memory() -> None:
     batch = BenchBatch(groups=2, group_size=2, tokens=24, sampled=16)
-    result = bench_learner("torch", shape=TINY, batch=batch, objective="vcpo", steps=2, warmup=1)
+    result = bench_learner("torch", shape=TINY, batch=batch, objective="vcpo", steps=2, warmup=1,
+                           peak_gemm_size=128)
     json.dumps(result)  # JSON-able as it is
     assert len(result["step_s"]) == 2 and result["step_s_min"] <= result["step_s_mean"]
     assert result["tokens_per_step"] == 2 * 2 * 24  # 4 trajectories of 24 tokens

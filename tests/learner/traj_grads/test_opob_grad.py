@@ -232,3 +232,27 @@ def test_bf16_autocast_matches_the_fp32_reference_to_bf16_precision(
         assert error < 3e-2, (name, error)
         largest_error = max(largest_error, error)
     assert largest_error > 1e-4  # fp32 throughout would agree to ~1e-6
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2"])
+def test_casting_weights_once_per_pass_changes_no_bit_and_restores_the_masters(
+    kind: str, trajectories: list[TrajectoryTokens], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under autocast the packed pass gives each linear a bf16 copy of its weight once, instead of
+    autocast casting it at every use: the same rounding, so the same gradient and norms bit for bit;
+    afterwards the model holds its fp32 master parameters again (a tied lm_head is the embedding)."""
+    from learner.traj_grads.hooks import PackedGradHooks
+
+    model = tiny_model(kind)
+    masters = {name: param for name, param in model.named_parameters()}
+    once = _run("packed", model, trajectories, max_tokens=50, autocast_dtype=torch.bfloat16)
+    grads_once = {name: param.grad.clone() for name, param in model.named_parameters()}
+    assert dict(model.named_parameters()) == masters
+    assert all(p.dtype == torch.float32 for p in masters.values())
+    if kind == "llama_tied":
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    monkeypatch.setattr(PackedGradHooks, "_cast_linear_weights", lambda self: None)  # autocast per use
+    per_use = _run("packed", model, trajectories, max_tokens=50, autocast_dtype=torch.bfloat16)
+    assert torch.equal(once.sq_norms, per_use.sq_norms)
+    for name, param in model.named_parameters():
+        assert torch.equal(grads_once[name], param.grad), name
