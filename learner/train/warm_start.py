@@ -39,8 +39,9 @@ from agent_env.samples import Sample
 from agent_env.turns import format_observation
 from configs.schema import RunConfig, WarmStartConfig
 from configs.task_schema import TaskConfig
-from learner.forward.logprobs import autocast, autocast_dtype
-from rollout.tiny import padded_sft_batch
+from learner.forward.logprobs import autocast, autocast_dtype, packed_target_logprobs
+from learner.forward.packing import TrajectoryTokens, pack_trajectories
+from learner.forward.varlen_attention import register_varlen_sdpa
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +99,39 @@ def _autocast(config: RunConfig) -> torch.dtype | None:
     return autocast_dtype(config.warm_start.autocast, _device())
 
 
+def _sft_step(model: torch.nn.Module, batch: list[tuple[list[int], list[bool]]], budget: int,
+              compute_dtype: torch.dtype | None) -> float:
+    """Accumulate the gradient of the batch's token-mean NLL of its trained (model-turn) tokens; return it.
+
+    The learner's packed forward: examples packed end to end into `budget`-token micro-batches, no
+    padding, attention kept inside each example, logits only where a token is trained (~70 of ~300
+    per Countdown demonstration) — the whole-sequence × vocabulary logits of a padded HF forward were
+    most of the SFT's time and memory. The loss is the padded `labels=` loss's: the mean over every
+    trained token of the batch."""
+    tokens = [TrajectoryTokens(ids, mask, group_id=index) for index, (ids, mask) in enumerate(batch)]
+    device = next(model.parameters()).device
+    microbatches = [mb.to(device) for mb in pack_trajectories(tokens, max_tokens=budget)]
+    trained = sum(int(mb.target_positions.numel()) for mb in microbatches)
+    total = 0.0
+    for mb in microbatches:
+        with autocast(device, compute_dtype):
+            logprobs = packed_target_logprobs(model, mb)
+        loss = -logprobs.sum() / trained
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+WARM_START_RECIPE = 2
+"""Bumped when the SFT's code changes what a cached model is (2: packed forward, logits at trained
+tokens only), so no model of the older recipe is taken for this one's."""
+
+
 def warm_start_dir(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Path:
     """Cache folder of the warm-started model for these settings (any change → a new folder)."""
     settings = {"model": config.model.path, "dtype": config.model.dtype, "task": task.model_dump(mode="json"),
                 "warm_start": config.warm_start.model_dump(mode="json", exclude={"autocast"}),
-                "seed": config.seed}
+                "seed": config.seed, "recipe": WARM_START_RECIPE}
     if _autocast(config) is not None:  # absent otherwise: fp32 caches from before it stay valid
         settings["autocast"] = "bfloat16"
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -127,27 +156,23 @@ def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_d
     if not examples:
         raise ValueError("warm_start: the solver found no demonstration among the training samples")
     model = load_causal_lm(config.model.path, cache_dir, torch.float32, _device().type).train()
-    device = next(model.parameters()).device
+    model.set_attn_implementation(register_varlen_sdpa())  # packed rows, no padding (restored below)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
     compute_dtype = _autocast(config)
     generator = random.Random(config.seed)
     started = time.perf_counter()
     losses: list[float] = []
     batches = -(-len(examples) // settings.batch_size)  # per epoch
+    budget = config.learner.micro_batch_tokens
     for epoch in range(settings.epochs):
         order = list(range(len(examples)))
         generator.shuffle(order)
         for first in range(0, len(order), settings.batch_size):
             batch = [examples[i] for i in order[first: first + settings.batch_size]]
-            ids, attention, labels = padded_sft_batch(batch, tokenizer.pad_token_id or 0)
-            with autocast(device, compute_dtype):
-                loss = model(input_ids=ids.to(device), attention_mask=attention.to(device),
-                             labels=labels.to(device)).loss
-            loss.backward()
+            losses.append(_sft_step(model, batch, budget, compute_dtype))
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
             if len(losses) % 8 == 0:
                 report(f"[warm start] step {len(losses)}/{settings.epochs * batches}, loss {losses[-1]:.3f}, "
                        f"{time.perf_counter() - started:.0f} s")
@@ -155,6 +180,7 @@ def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_d
         report(f"[warm start] epoch {epoch + 1}/{settings.epochs}: mean loss {mean:.3f}")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    model.set_attn_implementation("sdpa")  # the saved model is for engines, which generate
     model.eval().save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "warm_start.json").write_text(json.dumps({

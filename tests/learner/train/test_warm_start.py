@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from agent_env.countdown import score_expression
 from agent_env.datasets import load_samples
@@ -85,3 +86,25 @@ def test_train_with_warm_start_runs_rl_from_the_warm_model(tmp_path: Path, tiny_
     _, meta = load_checkpoint(latest_checkpoint(tmp_path / "run"), map_location="cpu")
     assert meta["config"]["model"]["path"] == str(warm[0].parent)  # RL ran from the warm-started model
     assert len(read_metrics(tmp_path / "run")) == 2
+
+
+def test_the_packed_sft_step_is_the_padded_hf_labels_loss_and_gradient() -> None:
+    """The warm start's packed step (no padding, logits only at trained tokens) computes what an HF
+    forward of the right-padded batch with labels= does: the same token-mean loss and gradient."""
+    from learner.forward.varlen_attention import register_varlen_sdpa
+    from learner.train.warm_start import _sft_step
+    from rollout.tiny import padded_sft_batch
+    from tests.learner.conftest import random_trajectories, tiny_model
+
+    trajectories = random_trajectories(num_groups=2, per_group=3, seed=7)
+    batch = [(list(t.token_ids), list(t.loss_mask)) for t in trajectories]
+    padded_model = tiny_model("llama_tied", seed=3)
+    ids, attention, labels = padded_sft_batch(batch)
+    padded_loss = padded_model(input_ids=ids, attention_mask=attention, labels=labels).loss
+    padded_loss.backward()
+    packed_model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa(), seed=3)
+    packed_loss = _sft_step(packed_model, batch, budget=40, compute_dtype=None)  # several micro-batches
+    assert packed_loss == pytest.approx(float(padded_loss), rel=1e-5)
+    for (name, want), got in zip(padded_model.named_parameters(), packed_model.parameters(), strict=True):
+        scale = float(want.grad.abs().max())
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6 * scale, msg=name)
