@@ -9,6 +9,11 @@ from the first admitted group to the last step's weight sync). The split per k:
 At k = 0 generation and training alternate; with k ≥ 1 they overlap, so the speedup over k = 0 is
 what asynchrony buys on this machine. On a 2-core CPU both sides compete for the same cores, so
 the overlap gains less than on a GPU box where the engine and learner own separate devices.
+
+The most overlap can give (`overlap_bound`, from the k = 0 run): with the same work on the same cores no
+schedule beats its CPU-seconds ÷ cores, so at most 1 / utilisation (the k = 0 run's CPU-seconds,
+`time/cpu`, over wall × cores); and with the two sides fully overlapped at most
+(generate + train) / max(generate, train). The bound is the smaller; `gap` = bound ÷ measured speedup.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from learner.observability.metrics_log import read_metrics
 from learner.train.compose import engine_settings, load_task
 
 _SUMS = {"train_s": "time/train", "weight_sync_s": "time/weight_sync", "idle_learner_s": "time/idle_learner",
-         "generate_s": "time/generate", "idle_rollout_s": "time/idle_rollout", "tokens": "tokens/generated"}
+         "generate_s": "time/generate", "idle_rollout_s": "time/idle_rollout", "tokens": "tokens/generated",
+         "cpu_s": "time/cpu", "step_wall_s": "time/step"}
 
 
 def _one_lag(bench: AsyncBenchConfig, lag: int, cache_dir: Path) -> dict[str, Any]:
@@ -45,6 +51,8 @@ def _one_lag(bench: AsyncBenchConfig, lag: int, cache_dir: Path) -> dict[str, An
     for name, key in _SUMS.items():
         row[name] = sum(float(r.get(key) or 0.0) for r in records)
     row["tokens_per_s"] = row["tokens"] / max(summary.wall_s, 1e-9)
+    row["cores"] = _cores()
+    row["utilization"] = row["cpu_s"] / max(row["step_wall_s"] * row["cores"], 1e-9)
     row["reward_mean"] = sum(float(r.get("reward/mean") or 0.0) for r in records) / max(1, len(records))
     row["mean_lag"] = sum(float(r.get("staleness/mean") or 0.0) for r in records) / max(1, len(records))
     row["max_lag_seen"] = max((float(r.get("staleness/max") or 0.0) for r in records), default=0.0)
@@ -59,8 +67,31 @@ def run_async_bench(bench: AsyncBenchConfig, cache_dir: Path,
         progress(f"[bench async] k={lag}: {bench.steps} steps ...")
         rows.append(_one_lag(bench, lag, cache_dir))
         progress(f"[bench async] k={lag}: {rows[-1]['wall_s']:.1f} s")
-    base = next((row["wall_s"] for row in rows if row["max_lag"] == 0), None)
+    base = next((row for row in rows if row["max_lag"] == 0), None)
+    bound = overlap_bound(base) if base else None
     for row in rows:
-        row["speedup_vs_k0"] = base / row["wall_s"] if base else None
+        row["speedup_vs_k0"] = base["wall_s"] / row["wall_s"] if base else None
+        if bound is not None and row["max_lag"] > 0:
+            row["gap_to_bound"] = bound["speedup"] / row["speedup_vs_k0"]
     return {"benchmark": "async", "run_config": bench.run_config, "overrides": bench.overrides,
-            "steps": bench.steps, "machine": platform.processor() or platform.machine(), "rows": rows}
+            "steps": bench.steps, "machine": platform.processor() or platform.machine(),
+            "overlap_bound": bound, "rows": rows}
+
+
+def overlap_bound(k0: dict[str, Any]) -> dict[str, float]:
+    """The most speedup overlapping generation and training can give over the k = 0 run `k0`: the
+    smaller of 1 / utilisation (the same CPU work on the same cores) and (generate + train) ÷
+    max(generate, train) (both sides entirely overlapped)."""
+    by_cores = 1.0 / max(k0["utilization"], 1e-9)
+    by_overlap = (k0["generate_s"] + k0["train_s"]) / max(k0["generate_s"], k0["train_s"], 1e-9)
+    return {"by_cores": by_cores, "by_overlap": by_overlap, "speedup": min(by_cores, by_overlap)}
+
+
+def _cores() -> int:
+    """CPUs this process may run on."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -70,6 +70,9 @@ TIME_IDLE_ROLLOUT = "time/idle_rollout"
 """Seconds the rollout side was blocked (staleness bound or full queue)."""
 TIME_STEP = "time/step"
 """Wall seconds of the whole training step, from the end of the previous one."""
+TIME_CPU = "time/cpu"
+"""CPU seconds this process and its finished children (tool calls) used during the step; ÷ (time/step ×
+cores) is the machine's utilisation (Ray mode: the driver's only)."""
 PERF_TOKENS_PER_S = "perf/tokens_per_s"
 """Generated tokens per second of step wall time (tokens/generated / time/step)."""
 
@@ -132,6 +135,7 @@ REQUIRED_EVERY_STEP = (
 
 OPTIONAL = (
     TIME_STEP,
+    TIME_CPU,
     TIME_LEARNER_PROXIMAL,
     TIME_LEARNER_GRADIENT,
     TIME_LEARNER_OPTIMIZER,
@@ -209,6 +213,7 @@ __all__ = [
     "STALENESS_HIST_BINS",
     "STALENESS_MAX",
     "STALENESS_MEAN",
+    "TIME_CPU",
     "TIME_GENERATE",
     "TIME_IDLE_LEARNER",
     "TIME_IDLE_ROLLOUT",

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import random
+import resource
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -308,6 +309,14 @@ def rollout_metrics(batch: StepInput) -> dict[str, float]:
     }
 
 
+def process_cpu_seconds() -> float:
+    """CPU seconds (user + system) used so far by this process's threads and its finished children
+    (sandboxed tool calls): `time/cpu` per step, against `time/step` × cores, says how busy the
+    machine was — what overlap (k > 0) can still gain (`vcpo bench async`)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def _step_and_trim(learner: Learner, batch: StepInput) -> dict[str, Any]:
     """One learner step, then hand freed heap pages back to the OS (glibc `malloc_trim`; a no-op
     elsewhere): a step's transient activations are GBs the engine may need before the next step."""
@@ -404,6 +413,7 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
             live = LiveActivity(display, runtime, rollout.groups_per_step * config.algo.group_size)
         async with manager, _ticking(live):
             last_busy, last_wall = manager.busy_seconds(), time.perf_counter()
+            last_cpu = process_cpu_seconds()
             for step in range(start_step, trainer.total_steps):
                 if live is not None:
                     live.begin(step + 1, "rollouts")
@@ -424,17 +434,17 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                 tick = time.perf_counter()
                 await manager.sync_weights(learner.named_weights(), step + 1)
                 sync_s = time.perf_counter() - tick
-                now, busy = time.perf_counter(), manager.busy_seconds()
+                now, busy, cpu = time.perf_counter(), manager.busy_seconds(), process_cpu_seconds()
                 metrics.update(rollout_metrics(batch))
                 metrics.update({
                     "time/train": train_s, "time/weight_sync": sync_s, "time/idle_learner": idle_learner,
                     "time/generate": busy - last_busy,
                     "time/idle_rollout": (now - last_wall) - (busy - last_busy),
-                    "time/step": now - last_wall,
+                    "time/step": now - last_wall, "time/cpu": cpu - last_cpu,
                     "perf/tokens_per_s": metrics["tokens/generated"] / max(1e-9, now - last_wall),
                     "rollout/failed_groups": manager.counters.groups_failed})
                 metrics.update(runtime.counters())
-                last_busy, last_wall = busy, now
+                last_busy, last_wall, last_cpu = busy, now, cpu
                 metrics_log.log(step + 1, step + 1, metrics)
                 rewards.append(float(metrics.get("reward/mean", 0.0)))
                 if display is not None:

@@ -31,3 +31,19 @@ def test_bench_async_reports_each_lag_with_its_time_split(tmp_path: Path, tiny_m
         assert row["train_s"] + row["weight_sync_s"] + row["idle_learner_s"] <= row["wall_s"] * 1.01
     assert rows[0]["speedup_vs_k0"] == 1.0
     assert rows[0]["mean_lag"] == 0.0
+    # utilisation from the steps' CPU-seconds, and the most overlap could give over k = 0
+    for row in rows.values():
+        assert row["cores"] >= 1 and 0 < row["utilization"] <= 1.05  # CPU-s ≤ wall × cores (+ rounding)
+    bound = report["overlap_bound"]
+    assert bound["speedup"] == pytest.approx(min(bound["by_cores"], bound["by_overlap"]))
+    assert bound["by_cores"] == pytest.approx(1 / rows[0]["utilization"])
+    assert 1.0 <= bound["by_overlap"] <= 2.0
+    assert rows[2]["gap_to_bound"] == pytest.approx(bound["speedup"] / rows[2]["speedup_vs_k0"])
+
+
+def test_the_overlap_bound_is_the_tighter_of_the_cores_and_the_two_sides() -> None:
+    from learner.benchmarks.asynchrony import overlap_bound
+
+    # 60% busy on the cores → at most 1.67×; 10 s generating + 30 s training → at most 1.33×
+    bound = overlap_bound({"utilization": 0.6, "generate_s": 10.0, "train_s": 30.0})
+    assert bound == pytest.approx({"by_cores": 1 / 0.6, "by_overlap": 40 / 30, "speedup": 40 / 30})
