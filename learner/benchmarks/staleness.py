@@ -412,7 +412,7 @@ def run_staleness_bench(bench: StalenessBenchConfig, progress: Callable[[str], N
     else:
         rows = _run_jobs(bench, _matrix_jobs(bench), model_dir, task_path, root, progress)
         result.update(runs=_sorted(bench, rows), summary=summary_table(bench, rows))
-        result["retention"] = retention_table(result["summary"])
+        result["retention"] = retention_table(result["summary"], initial)
     result["wall_s"] = round(time.perf_counter() - started, 1)
     (root / "result.json").write_text(json.dumps(result, indent=1, allow_nan=True))
     (root / "summary.md").write_text(format_summary(result))
@@ -490,9 +490,27 @@ def summary_table(bench: StalenessBenchConfig, rows: list[dict[str, Any]]) -> li
     return table
 
 
-def retention_table(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (method, numerics, k > 0): final score as a share of the same method's k = 0 score, with a
-    95% interval from the two means' intervals (delta method), and whether it lost > 5% / ≥ 20%."""
+def _welch(a: list[float], b: list[float], weight_b: float = 1.0) -> tuple[float, float | None]:
+    """(mean(a) − w·mean(b), half-width of its 95% Welch interval); None below 2 values on a side."""
+    diff = statistics.fmean(a) - weight_b * statistics.fmean(b)
+    if len(a) < 2 or len(b) < 2:
+        return diff, None
+    va, vb = statistics.variance(a) / len(a), weight_b**2 * statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return diff, 0.0
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))  # Welch–Satterthwaite
+    return diff, T_975.get(max(1, math.floor(dof)), 1.96) * se
+
+
+def retention_table(summary: list[dict[str, Any]], initial: float | None = None) -> list[dict[str, Any]]:
+    """Per (method, numerics, k > 0): the final score as a share of the same method's k = 0 score
+    (`retention`, with a delta-method 95% interval), and the plain answers, decided on the seeds:
+    `loses_more_than_5pct` when the k score's mean is below 0.95 × the k = 0 mean, `resolved` when the
+    95% Welch interval of (k score − 0.95 × k = 0 score) excludes 0; `loses_at_least_20pct` likewise
+    with 0.80 (`resolved_20pct`). With the pre-taught policy's score `initial`, also the share of the
+    k = 0 run's *gain* over it that the k run kept (`gain_retention`): a policy that never moved keeps
+    0 of the gain while keeping initial/score_0 of the score."""
     cell = {(e["method"], e["numerics"], e["lag"]): e for e in summary if e["status"] == "ok"}
     out = []
     for (method, numerics, lag), entry in cell.items():
@@ -505,10 +523,19 @@ def retention_table(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
             relative = math.hypot(entry["final_success_ci95"] / max(entry["final_success"], 1e-12),
                                   base["final_success_ci95"] / base["final_success"])
             half = ratio * relative
-        out.append({"method": method, "numerics": numerics, "lag": lag, "retention": ratio,
-                    "retention_ci95": half, "loses_more_than_5pct": ratio < 0.95,
-                    "loses_at_least_20pct": ratio <= 0.80,
-                    "resolved": half is not None and (ratio + half < 0.95 or ratio - half > 0.95)})
+        seeds_k, seeds_0 = entry["final_success_per_seed"], base["final_success_per_seed"]
+        margin_5, half_5 = _welch(seeds_k, seeds_0, 0.95)
+        margin_20, half_20 = _welch(seeds_k, seeds_0, 0.80)
+        difference, difference_half = _welch(seeds_k, seeds_0)
+        row = {"method": method, "numerics": numerics, "lag": lag, "retention": ratio,
+               "retention_ci95": half, "loses_more_than_5pct": ratio < 0.95,
+               "loses_at_least_20pct": ratio <= 0.80,
+               "resolved": half_5 is not None and abs(margin_5) > half_5,
+               "resolved_20pct": half_20 is not None and abs(margin_20) > half_20,
+               "difference_vs_k0": difference, "difference_ci95": difference_half}
+        if initial is not None and base["final_success"] - initial > 1e-9:
+            row["gain_retention"] = (entry["final_success"] - initial) / (base["final_success"] - initial)
+        out.append(row)
     return sorted(out, key=lambda r: (r["method"], r["numerics"], r["lag"]))
 
 

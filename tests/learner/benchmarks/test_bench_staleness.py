@@ -168,3 +168,27 @@ def test_the_lr_cap_stops_below_the_first_lr_that_loses_ess_or_collapses(tmp_pat
     rows = [row(3e-5, 0.99), row(1e-4, 0.5), row(3e-4, 0.95)]
     assert _lr_cap(bench, rows)["cap"] == 3e-5
     assert _lr_cap(bench, [row(3e-5, 0.5)])["cap"] is None
+
+
+def _cell(method: str, lag: int, seeds: list[float]) -> dict:
+    from learner.benchmarks.staleness import mean_interval
+
+    mean, sd, half = mean_interval(seeds)
+    return {"method": method, "lag": lag, "numerics": "matched", "status": "ok", "final_success": mean,
+            "final_success_sd": sd, "final_success_ci95": half, "final_success_per_seed": seeds}
+
+
+def test_retention_answers_loses_5_and_20_percent_with_welch_intervals_and_the_kept_gain() -> None:
+    from learner.benchmarks.staleness import retention_table
+
+    summary = [_cell("a", 0, [0.431, 0.429, 0.43]), _cell("a", 32, [0.432, 0.43, 0.431]),
+               _cell("a", 128, [0.20, 0.25, 0.22]), _cell("b", 0, [0.44, 0.30, 0.50]),
+               _cell("b", 128, [0.40, 0.28, 0.45])]
+    rows = {(r["method"], r["lag"]): r for r in retention_table(summary, initial=0.32)}
+    same, collapsed, noisy = rows[("a", 32)], rows[("a", 128)], rows[("b", 128)]
+    assert same["retention"] == pytest.approx(1.0, abs=0.01) and not same["loses_more_than_5pct"]
+    assert same["resolved"]  # the interval of (k − 0.95·k0) lies above 0: no 5% loss, resolved
+    assert collapsed["loses_at_least_20pct"] and collapsed["resolved"] and collapsed["resolved_20pct"]
+    assert collapsed["gain_retention"] == pytest.approx((0.22333 - 0.32) / (0.43 - 0.32), rel=1e-3)
+    assert collapsed["difference_vs_k0"] == pytest.approx(0.22333 - 0.43, rel=1e-3)
+    assert noisy["loses_more_than_5pct"] and not noisy["resolved"]  # sd 0.1 over 3 seeds: unresolved
