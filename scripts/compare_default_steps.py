@@ -1,0 +1,85 @@
+"""Time the default run's RL step at two commits on this machine, back to back (issue #19's "≤ 0.4×").
+
+    .venv/bin/python scripts/compare_default_steps.py --before <rev> [--steps 6] [--model DIR] [-- a.b=c ...]
+
+Checks `<rev>` out into a temporary git worktree and runs `vcpo train configs/default.yaml` there and in
+this checkout, one after the other, with the same seed, data order and starting weights — both from
+`--model` (default: this checkout's cached warm start of the default config, trained first if
+missing), with `warm_start.enabled=false`, so only the RL steps differ. Prints one JSON object: per
+side the step times (`time/step`, `time/train`, `time/generate`) of steps 2..N (step 1 includes the
+engine's first fill of the pipeline) and their medians, and the ratio after/before of the median
+step. Hosts differ and memory bandwidth swings: compare only the two numbers of one invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = ROOT / ".venv" / "bin" / "python"
+
+
+def _run(tree: Path, run_dir: Path, model: str, steps: int, extra: list[str]) -> dict[str, list[float]]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    command = [str(PYTHON), "-m", "learner.cli", "train", str(tree / "configs" / "default.yaml"),
+               f"run_dir={run_dir}", f"model.path={model}", "warm_start.enabled=false",
+               f"trainer.total_steps={steps}", "--no-progress", *extra]
+    subprocess.run(command, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {key: [float(r.get(f"time/{key}") or 0.0) for r in records[1:]]
+            for key in ("step", "train", "generate")}
+
+
+def _warm_start_model() -> str:
+    """This checkout's cached warm start of the default config (trained now if it is not cached)."""
+    code = ("from pathlib import Path\n"
+            "from configs.loader import load_config\n"
+            "from configs.schema import RunConfig\n"
+            "from learner.train.compose import load_task\n"
+            "from learner.train.warm_start import run_warm_start\n"
+            "from rollout.models import default_cache_dir\n"
+            "c = load_config('configs/default.yaml', RunConfig)\n"
+            "t, p = load_task(c.task, c.task_overrides, relative_to=Path('configs'))\n"
+            "print(run_warm_start(c, t, p, default_cache_dir()))\n")
+    done = subprocess.run([str(PYTHON), "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
+    return done.stdout.strip().splitlines()[-1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", required=True, help="the commit to compare this checkout with")
+    parser.add_argument("--steps", type=int, default=6, help="RL steps per side (the first is not timed)")
+    parser.add_argument("--model", default=None, help="starting weights (default: the cached warm start)")
+    parser.add_argument("overrides", nargs="*", help="a.b.c=value overrides for both sides")
+    args = parser.parse_args()
+    model = args.model or _warm_start_model()
+    result: dict[str, object] = {"before": args.before, "after": "working tree", "model": model,
+                                 "steps_timed": args.steps - 1}
+    with tempfile.TemporaryDirectory(prefix="vcpo-compare-") as tmp:
+        before_tree = Path(tmp) / "before"
+        subprocess.run(["git", "worktree", "add", "--detach", str(before_tree), args.before], cwd=ROOT,
+                       check=True, capture_output=True)
+        try:
+            for side, tree in (("before", before_tree), ("after", ROOT)):
+                times = _run(tree, Path(tmp) / f"run-{side}", model, args.steps, args.overrides)
+                result[side] = {**times, **{f"median_{k}_s": statistics.median(v) for k, v in times.items()}}
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(before_tree)], cwd=ROOT,
+                           check=False, capture_output=True)
+    before, after = result["before"], result["after"]
+    ratio = after["median_step_s"] / before["median_step_s"]  # type: ignore[index]
+    result["step_ratio_after_over_before"] = ratio
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
