@@ -5,7 +5,9 @@ without a model. Never use it in a test that claims a real engine works.
 honours the protocol's control semantics like a real engine: per-token versions (a load_weights
 during a generation splits its versions), pause/resume at token boundaries, abort and task
 cancellation (finish_reason='abort' with the tokens so far), stop_token_ids, use_eos and
-max_new_tokens. Stop strings are not matched (there is no tokenizer). It records every request
+max_new_tokens. Stop strings are matched only when it is given `decode` (token ids -> text): then,
+like vLLM with include_stop_str_in_output, a reply stops at the first token whose text completes a
+stop string, keeps that text, and reports the string as its stop_reason. It records every request
 and every weight load for assertions.
 """
 
@@ -59,8 +61,10 @@ class ScriptedEngine(InferenceEngine):
         token_delay_s: float = 0.0,
         eos_token_id: int = 2,
         default_logprob: float = -1.0,
+        decode: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
         self._script = script
+        self._decode = decode
         self._token_delay_s = token_delay_s
         self._eos_token_id = eos_token_id
         self._default_logprob = default_logprob
@@ -123,11 +127,21 @@ class ScriptedEngine(InferenceEngine):
             if token_id in stop_ids:
                 progress.finish("stop", token_id)
                 return
+            fired = self._fired_stop_string(progress.token_ids, sampling.stop)
+            if fired is not None:
+                progress.finish("stop", fired)
+                return
             if len(progress.token_ids) >= sampling.max_new_tokens:
                 progress.finish("length")
                 return
             await asyncio.sleep(self._token_delay_s)
         progress.finish("stop")  # the script ran out: like EOS
+
+    def _fired_stop_string(self, token_ids: Sequence[int], stops: Sequence[str]) -> str | None:
+        if self._decode is None or not stops:
+            return None
+        text = self._decode(token_ids)
+        return next((stop for stop in stops if text.endswith(stop)), None)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._in_flight:

@@ -45,7 +45,7 @@ def _scripted(texts: list[str]) -> tuple[object, ScriptedEngine]:
         ids = tokenizer.encode(next(replies), add_special_tokens=False)
         return ScriptedReply([*ids, tokenizer.eos_token_id])
 
-    return tokenizer, ScriptedEngine(script, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer, ScriptedEngine(script, eos_token_id=tokenizer.eos_token_id, decode=tokenizer.decode)
 
 
 def _answer_is_3(text: str) -> object:
@@ -97,7 +97,8 @@ async def test_a_python_block_does_not_end_the_turn_of_a_sql_tool() -> None:
 
 
 async def test_a_tool_without_a_declaration_gets_python_blocks() -> None:
-    tokenizer, engine = _scripted(["```sql\nSELECT 3\n```\n```python\nprint(3)\n```\n", "\\boxed{3}"])
+    # the sql block's closing fence stops generation but closes no python block: the turn goes on
+    tokenizer, engine = _scripted(["```sql\nSELECT 3\n```\n", "```python\nprint(3)\n```\n", "\\boxed{3}"])
     tool = ScriptedTool([ToolResult(status="ok", stdout="3\n")])
     async with engine:
         await run_episode(engine, tokenizer, [1, 2], EpisodeSettings(), _answer_is_3, tool=tool,

@@ -81,7 +81,8 @@ class StepRecord:
 
 
 def run_step(learner: TorchLearner, batch: StepInput) -> StepRecord:
-    """One `learner.step(batch)`, recording the per-trajectory squared norms `_accumulate_opob` returns."""
+    """One `learner.step(batch)`, recording the per-trajectory squared norms `_accumulate_opob` returns.
+    Wall-clock timings (`time/...`) are left out of the record: they differ run to run by nature."""
     recorded: list[torch.Tensor] = []
     accumulate = learner._accumulate_opob
 
@@ -91,7 +92,7 @@ def run_step(learner: TorchLearner, batch: StepInput) -> StepRecord:
         return sq_norms
 
     learner._accumulate_opob = spy  # type: ignore[method-assign]
-    metrics = learner.step(batch)
+    metrics = {key: value for key, value in learner.step(batch).items() if not key.startswith("time/")}
     weights = {name: tensor.clone() for name, tensor in learner.named_weights()}
     return StepRecord(metrics, recorded[0] if recorded else None, weights)
 
