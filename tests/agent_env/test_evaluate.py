@@ -206,16 +206,22 @@ async def _eval_in_process(*args: str) -> int:
     return await asyncio.to_thread(main, ["eval", *args, "--no-progress"])
 
 
+def _models_server(*models: dict[str, Any]) -> Any:
+    """A FastAPI app whose /v1/models lists `models` (as vLLM's OpenAI server does); tests add routes."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    app.get("/v1/models")(lambda: {"object": "list", "data": list(models)})
+    return app
+
+
 async def test_eval_with_several_served_models_and_no_match_says_to_pass_served_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fastapi import FastAPI
-
     from tests.rollout.standin_servers import serve
 
     task = _write_memorised_task(tmp_path, {}, has_tool=False)
-    app = FastAPI()
-    app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "smol"}, {"id": "big"}]})
+    app = _models_server({"id": "smol"}, {"id": "big"})
     async with serve(app) as url:
         code = await _eval_in_process(str(task), "--backend", "openai", "--url", f"{url}/v1/",
                                       "--model", "default", "--out", str(tmp_path / "out.jsonl"))
@@ -230,13 +236,10 @@ async def test_a_served_name_given_as_model_says_where_it_belongs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """What a user tried first: `--model smol` with smol the served name. --model is the tokenizer."""
-    from fastapi import FastAPI
-
     from tests.rollout.standin_servers import serve
 
     task = _write_memorised_task(tmp_path, {}, has_tool=False)
-    app = FastAPI()
-    app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "smol"}]})
+    app = _models_server({"id": "smol"})
     async with serve(app) as url:
         code = await _eval_in_process(str(task), "--backend", "openai", "--url", f"{url}/v1",
                                       "--model", "smol")
@@ -264,14 +267,12 @@ async def test_an_episode_budget_beyond_the_served_context_stops_before_any_requ
 ) -> None:
     """vLLM lists each model's max_model_len and refuses (HTTP 400) any turn whose max_tokens passes it;
     a task budget longer than that is refused up front, with both fixes; within it, requests go out."""
-    from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
     from tests.rollout.standin_servers import serve
 
     task = _write_memorised_task(tmp_path, {}, has_tool=False)  # loop.max_total_tokens: 400
-    app, completions = FastAPI(), []
-    app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "smol", "max_model_len": 256}]})
+    app, completions = _models_server({"id": "smol", "max_model_len": 256}), []
 
     def refuse(body: dict[str, Any]) -> JSONResponse:
         """Record the request (FastAPI reads a dict parameter from the JSON body) and answer as vLLM does
@@ -302,13 +303,10 @@ async def test_a_url_without_the_api_root_says_where_models_live(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """vLLM serves /v1/models; `--url http://host:port` finds only a 404 "Not Found" there."""
-    from fastapi import FastAPI
-
     from tests.rollout.standin_servers import serve
 
     task = _write_memorised_task(tmp_path, {}, has_tool=False)
-    app = FastAPI()
-    app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "smol"}]})
+    app = _models_server({"id": "smol"})
     async with serve(app) as url:
         codes = [await _eval_in_process(str(task), "--backend", "openai", "--url", url, *served)
                  for served in ([], ["--served-model", "smol"])]
@@ -320,11 +318,9 @@ async def test_a_url_without_the_api_root_says_where_models_live(
 
 def _refusing_server(status: int, body: dict | str) -> Any:
     """/v1/models lists 'smol'; every completion is answered with `status` and `body`."""
-    from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse
 
-    app = FastAPI()
-    app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "smol"}]})
+    app = _models_server({"id": "smol"})
     answer = (JSONResponse(body, status_code=status) if isinstance(body, dict)
               else PlainTextResponse(body, status_code=status))
     app.post("/v1/completions")(lambda: answer)
