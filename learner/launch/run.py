@@ -8,9 +8,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from configs.loader import ConfigError
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
 from learner.observability.console import terminal
+from learner.train.checkpointing import resume_conflicts
 from learner.train.trainer import TrainSummary
 
 log = logging.getLogger(__name__)
@@ -20,7 +22,11 @@ async def run_training(
     config: RunConfig, task: TaskConfig, task_path: Path, settings: Any, cache_dir: Path, run_dir: Path, *,
     progress: bool = True, stop_after_step: int | None = None,
 ) -> TrainSummary:
-    """Train `config` on `task` with the engine `settings`; resumes when run_dir has a checkpoint."""
+    """Train `config` on `task` with the engine `settings`; resumes when run_dir has a checkpoint (refused
+    up front, before any model loads, when the config changed what the checkpoint's batches depend on)."""
+    conflicts = resume_conflicts(run_dir, config.model_dump(mode="json"))
+    if conflicts:
+        raise ConfigError(f"(resuming {run_dir})", conflicts)
     if config.warm_start.enabled:  # cold-start SFT first (cached); RL then starts from that model
         from learner.train.warm_start import run_warm_start
 

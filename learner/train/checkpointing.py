@@ -127,3 +127,38 @@ def load_checkpoint(
     state = torch.load(path / "state.pt", map_location=map_location, weights_only=False)
     meta = json.loads((path / "meta.json").read_text())
     return state, meta
+
+
+# What a checkpoint's rollout state depends on: its batch slots hold groups of `group_size` episodes,
+# `groups_per_step` to a slot, drawn from the data order that `seed` shuffles, each within `max_lag`.
+_RESUME_MUST_MATCH = (("algo", "group_size"), ("rollout", "groups_per_step"), ("seed",))
+
+
+def resume_conflicts(run_dir: Path, config: dict[str, Any]) -> list[str]:
+    """Why `config` (a RunConfig dump) cannot resume run_dir's newest checkpoint; [] when it can (or
+    there is none). A larger max_lag or more total_steps are fine; so is another lr."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return []
+    saved = json.loads((checkpoint / "meta.json").read_text()).get("config")
+    if not isinstance(saved, dict):  # a checkpoint from before the config was kept: nothing to check
+        return []
+
+    def at(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+        for part in path:
+            tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+        return tree
+
+    problems = []
+    for path in _RESUME_MUST_MATCH:
+        was, now = at(saved, path), at(config, path)
+        if was != {} and was != now:
+            name = ".".join(path)
+            problems.append(f"{name}: {now!r}, but {checkpoint} was written with {name}={was!r}; resume with "
+                            f"{name}={was!r}, or train into a new run_dir")
+    was_lag, now_lag = at(saved, ("rollout", "max_lag")), at(config, ("rollout", "max_lag"))
+    if isinstance(was_lag, int) and isinstance(now_lag, int) and now_lag < was_lag:
+        problems.append(f"rollout.max_lag: {now_lag}, but {checkpoint} holds groups generated under "
+                        f"max_lag={was_lag}, which may lag more than {now_lag}; resume with "
+                        f"max_lag ≥ {was_lag}, or train into a new run_dir")
+    return problems

@@ -1,4 +1,5 @@
-"""Checkpoint writes that fail (a full disk) leave the previous checkpoint as `latest` and no partial copy."""
+"""Checkpoint writes that fail (a full disk) leave the previous checkpoint as `latest` and no partial copy;
+a config that changed what a checkpoint's batches depend on is refused before resuming."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from learner.train.checkpointing import (
     CheckpointWriteError,
     latest_checkpoint,
     load_checkpoint,
+    resume_conflicts,
     save_checkpoint,
 )
 
@@ -48,3 +50,35 @@ def test_an_unwritable_directory_is_reported_the_same_way(tmp_path: Path, monkey
     with pytest.raises(CheckpointWriteError, match="newest complete checkpoint is none"):
         save_checkpoint(tmp_path, 1, {}, {}, keep=1)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == []
+
+
+def test_a_resume_with_another_batch_shape_seed_or_a_smaller_lag_bound_is_refused(tmp_path: Path) -> None:
+    from configs.schema import RunConfig
+
+    saved = RunConfig().model_dump(mode="json")
+    assert resume_conflicts(tmp_path, saved) == []  # no checkpoint yet
+    save_checkpoint(tmp_path, 3, {}, {"version": 3, "config": saved}, keep=1)
+    assert resume_conflicts(tmp_path, saved) == []
+
+    def changed(**fields: Any) -> dict[str, Any]:
+        config = RunConfig().model_dump(mode="json")
+        for dotted, value in fields.items():
+            *parents, leaf = dotted.split("__")
+            tree = config
+            for part in parents:
+                tree = tree[part]
+            tree[leaf] = value
+        return config
+
+    group_size, lag = saved["algo"]["group_size"], saved["rollout"]["max_lag"]
+    (problem,) = resume_conflicts(tmp_path, changed(algo__group_size=group_size + 1))
+    checkpoint = tmp_path / "checkpoints" / "step_000003"
+    assert problem == (f"algo.group_size: {group_size + 1}, but {checkpoint} was written with "
+                       f"algo.group_size={group_size}; resume with algo.group_size={group_size}, "
+                       "or train into a new run_dir")
+    assert [p.split(":")[0] for p in resume_conflicts(tmp_path, changed(rollout__groups_per_step=99, seed=7))
+            ] == ["rollout.groups_per_step", "seed"]
+    assert resume_conflicts(tmp_path, changed(rollout__max_lag=lag + 1, optim__lr=0.5)) == []  # both fine
+    if lag > 0:
+        (problem,) = resume_conflicts(tmp_path, changed(rollout__max_lag=lag - 1))
+        assert problem.startswith(f"rollout.max_lag: {lag - 1}, but ") and f"max_lag ≥ {lag}" in problem

@@ -190,6 +190,9 @@ def test_the_terminal_shows_our_progress_and_the_libraries_go_to_the_run_log(tmp
     verbose = _vcpo("-v", "train", str(config), "trainer.total_steps=3")  # resumes at 2; -v: all here
     assert verbose.returncode == 0, verbose.stderr[-3000:]
     assert "Loading weights" in verbose.stderr and "libraries.log" not in verbose.stderr
+    reshaped = _vcpo("train", str(config), "trainer.total_steps=4", "algo.group_size=3")  # refused up front
+    assert reshaped.returncode == 2 and "algo.group_size: 3, but " in reshaped.stderr, reshaped.stderr[-3000:]
+    assert "Loading weights" not in reshaped.stderr and "Traceback" not in reshaped.stderr
 
 
 def test_the_live_line_counts_this_phases_episodes_and_tokens() -> None:
