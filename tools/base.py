@@ -119,6 +119,10 @@ class Tool(Protocol):
     `language`; a tool with its own fence reads `code` in its own language). Without it the tool
     gets ```` ```python ```` blocks (also ```` ```py ````), as every built-in tool does. Read it
     with `code_fence_of`, which checks it.
+
+    Optional: `has_sessions: ClassVar[bool]`, False for a tool whose backend keeps no state between
+    calls (its `session` raises); a task with `loop.use_session: true` is then refused when it loads.
+    Read it with `has_sessions`.
     """
 
     name: ClassVar[str]
@@ -164,3 +168,8 @@ def code_fence_of(tool: object) -> str:
             "```python blocks"
         )
     return fence
+
+
+def has_sessions(tool_class: type) -> bool:
+    """Whether a tool class offers stateful sessions (its optional `has_sessions`, default True)."""
+    return bool(getattr(tool_class, "has_sessions", True))

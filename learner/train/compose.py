@@ -22,7 +22,7 @@ from configs.loader import ConfigError
 from configs.task_schema import TaskConfig, load_task_config
 from learner.train.trainer import TaskRuntime
 from rollout.settings import EngineSettings
-from tools.base import ToolConfigError
+from tools.base import ToolConfigError, has_sessions
 from tools.registry import build_tool, validate_tool_settings
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,14 @@ def load_task(spec: str | Path, overrides: Sequence[str] = (), relative_to: Path
     problems = []
     if task.tool is not None:
         try:
-            validate_tool_settings(task.tool)
+            tool_class, _ = validate_tool_settings(task.tool)
         except ToolConfigError as exc:
             problems.append(f"tool: {exc}")
+        else:
+            if task.loop.use_session and not has_sessions(tool_class):
+                problems.append(f"loop.use_session: true, but tool type {task.tool['type']!r} keeps no state "
+                                "between calls; set loop.use_session: false, or use type: python (the local "
+                                "sandbox) or type: e2b for a stateful interpreter")
     try:
         build_reward(task.reward, task.answer)
     except RewardConfigError as exc:

@@ -46,6 +46,7 @@ class SandboxFusionTool:
 
     name: ClassVar[str] = "sandbox_fusion"
     settings_model: ClassVar[type[BaseModel]] = SandboxFusionClientSettings
+    has_sessions: ClassVar[bool] = False  # /run_code is stateless
 
     def __init__(self, settings: SandboxFusionClientSettings) -> None:
         self.settings = settings
