@@ -192,3 +192,28 @@ def test_retention_answers_loses_5_and_20_percent_with_welch_intervals_and_the_k
     assert collapsed["gain_retention"] == pytest.approx((0.22333 - 0.32) / (0.43 - 0.32), rel=1e-3)
     assert collapsed["difference_vs_k0"] == pytest.approx(0.22333 - 0.43, rel=1e-3)
     assert noisy["loses_more_than_5pct"] and not noisy["resolved"]  # sd 0.1 over 3 seeds: unresolved
+
+
+def test_the_committed_summary_is_what_the_committed_runs_give(tmp_path: Path) -> None:
+    """docs/results/staleness.json (the numbers docs/results.md quotes) is recomputed from the stored runs
+    in docs/results/staleness_runs — every run reused, none trained — and must agree."""
+    from learner.benchmarks import staleness
+
+    stored = ROOT / "docs" / "results" / "staleness_runs"
+    raw = yaml.safe_load((ROOT / "configs" / "bench" / "staleness.yaml").read_text())
+    raw.update({"numerics": ["matched"], "results_dir": str(stored), "run_root": str(tmp_path / "bench")})
+    bench = StalenessBenchConfig.model_validate(raw)
+    weights = policy_digest(stored / f"policy-{staleness_tasks.policy_fingerprint(bench)}")
+    missing = [job[0].name for job in staleness._matrix_jobs(bench)
+               if not (stored / f"{run_key(bench, job, weights)}.json").is_file()]
+    assert not missing, f"runs not stored (the test would train them): {missing}"
+    result = run_staleness_bench(bench)
+    committed = json.loads((ROOT / "docs" / "results" / "staleness.json").read_text())
+    recomputed = json.loads((tmp_path / "bench" / "summary.json").read_text())
+    assert recomputed["summary"] == committed["summary"]
+    assert len(recomputed["retention"]) == len(committed["retention"])
+    for got, want in zip(recomputed["retention"], committed["retention"], strict=True):
+        assert set(got) == set(want)
+        for key, value in want.items():  # gain_retention uses the re-measured initial success
+            assert got[key] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), key
+    assert all(row.get("reused") for row in result["runs"] if row.get("status", "ok") != "not run")
