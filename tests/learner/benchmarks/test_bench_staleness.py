@@ -194,21 +194,27 @@ def test_retention_answers_loses_5_and_20_percent_with_welch_intervals_and_the_k
     assert noisy["loses_more_than_5pct"] and not noisy["resolved"]  # sd 0.1 over 3 seeds: unresolved
 
 
-def test_the_committed_summary_is_what_the_committed_runs_give(tmp_path: Path) -> None:
-    """docs/results/staleness.json (the numbers docs/results.md quotes) is recomputed from the stored runs
-    in docs/results/staleness_runs — every run reused, none trained — and must agree."""
+@pytest.mark.parametrize(("summary", "overrides"), [
+    ("staleness.json", {}),
+    ("staleness_common_lr.json", {"common_lr": 1e-4, "lags": [0, 128]}),
+])
+def test_the_committed_summary_is_what_the_committed_runs_give(tmp_path: Path, summary: str,
+                                                               overrides: dict[str, object]) -> None:
+    """docs/results/<summary> (the numbers docs/results.md quotes) is recomputed from the stored runs in
+    docs/results/staleness_runs — every run reused, none trained — and must agree."""
     from learner.benchmarks import staleness
 
     stored = ROOT / "docs" / "results" / "staleness_runs"
     raw = yaml.safe_load((ROOT / "configs" / "bench" / "staleness.yaml").read_text())
-    raw.update({"numerics": ["matched"], "results_dir": str(stored), "run_root": str(tmp_path / "bench")})
+    raw.update({"numerics": ["matched"], "results_dir": str(stored), "run_root": str(tmp_path / "bench"),
+                **overrides})
     bench = StalenessBenchConfig.model_validate(raw)
     weights = policy_digest(stored / f"policy-{staleness_tasks.policy_fingerprint(bench)}")
     missing = [job[0].name for job in staleness._matrix_jobs(bench)
                if not (stored / f"{run_key(bench, job, weights)}.json").is_file()]
     assert not missing, f"runs not stored (the test would train them): {missing}"
     result = run_staleness_bench(bench)
-    committed = json.loads((ROOT / "docs" / "results" / "staleness.json").read_text())
+    committed = json.loads((ROOT / "docs" / "results" / summary).read_text())
     recomputed = json.loads((tmp_path / "bench" / "summary.json").read_text())
     assert recomputed["summary"] == committed["summary"]
     assert len(recomputed["retention"]) == len(committed["retention"])
