@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -96,7 +96,7 @@ class TorchLearner:
     def __init__(self, model: nn.Module, algo: AlgoConfig, optim: OptimConfig, *, micro_batch_tokens: int,
                  temperature: float = 1.0, autocast_dtype: torch.dtype | None = None,
                  autocast_proximal: bool = False, data_parallel: DataParallel | None = None,
-                 proximal: str = "separate") -> None:
+                 proximal: Literal["separate", "reuse", "auto"] = "separate") -> None:
         self.model = model.train()
         self.data_parallel = data_parallel
         """None: one process. Else this replica's rank among the data-parallel ones (module docstring)."""
@@ -104,10 +104,10 @@ class TorchLearner:
         """Gradient forwards under autocast in this dtype (bf16 matmuls, fp32 weights, grads and
         optimizer); None = the weights' dtype throughout."""
         self.autocast_proximal = autocast_proximal
-        self.proximal = proximal
-        """'separate' | 'reuse' | 'auto' (LearnerConfig.proximal): where log π_old comes from."""
         """Also the no-grad proximal forward (log π_old: IS weights, ESS, VCPO's coefficients). Off, those
         stay in the weights' dtype, so an fp32 engine's ratios at lag 0 stay exactly 1."""
+        self.proximal = proximal
+        """Where log π_old comes from (`learner.proximal`); see `reuses_gradient_forward`."""
         self.algo, self.optim_config = algo, optim
         self.objective = build_objective(algo)
         self.lr_rule = build_lr_scale_rule(algo)

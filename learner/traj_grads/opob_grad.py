@@ -92,8 +92,6 @@ class OpobGradResult:
     """`b*_g` per group id, as returned by `baseline_fn`."""
     max_open_groups: int
     """Most `S_g` buffers alive at once (peak extra memory ≈ this × trainable parameter size)."""
-    logprobs: list[Tensor] | None = None
-    """With `coefficients_from_logprobs`: each micro-batch's target log-probs from its own forward."""
 
 
 @dataclass(frozen=True)
@@ -181,7 +179,7 @@ def accumulate_opob_grad_packed(
     whose log-probs make the IS weights. `coefficients_from_logprobs(m, log_probs)`: when given, micro-
     batch `m`'s `a_j`, `s_j` come from it, called with the log-probs of that micro-batch's own forward
     (detached) before its backward — the coefficient tensors passed in are then only placeholders
-    (zeros) — and `OpobGradResult.logprobs` holds those log-probs (`learner.proximal: reuse`). Raises
+    (zeros); the callback keeps the log-probs it needs (`learner.proximal: reuse`). Raises
     `UnsupportedParameterError` (naming them) if some trainable parameter has no hook. Hooks
     and `requires_grad` flags are always restored; after an exception `.grad` is partial.
     """
@@ -193,7 +191,6 @@ def accumulate_opob_grad_packed(
     )
     sq_norms = torch.zeros(num_trajectories, dtype=torch.float32, device=hooks.device)
     buffers, baselines = GroupBuffers(), {}
-    forward_logprobs: list[Tensor] = []
     with hooks:
         for m, batch in enumerate(microbatches):
             local = batch.trajectory_indices
@@ -207,11 +204,9 @@ def accumulate_opob_grad_packed(
             )
             after_forward = None
             if coefficients_from_logprobs is not None:
-                forward_logprobs.append(torch.zeros(batch.target_positions.numel(), device=hooks.device))
-
-                def after_forward(logprobs: Tensor, m: int = m, state: MicroBatchState = state) -> None:
-                    forward_logprobs[m] = logprobs.float()
-                    reward, baseline = coefficients_from_logprobs(m, forward_logprobs[m])
+                def after_forward(logprobs: Tensor, m: int = m, state: MicroBatchState = state,
+                                  coefficients: CoefficientsFn = coefficients_from_logprobs) -> None:
+                    reward, baseline = coefficients(m, logprobs.float())
                     state.set_coefficients(reward.float(), baseline.float())
 
             hooks.backward(state, after_forward)
@@ -222,8 +217,7 @@ def accumulate_opob_grad_packed(
             hooks.apply(_apply_plan(state, closing, baselines))
             for group in closing:
                 _close_group(buffers, group, baselines[group], grad_of)
-    return OpobGradResult(sq_norms, baselines, buffers.max_open_groups,
-                          forward_logprobs if coefficients_from_logprobs is not None else None)
+    return OpobGradResult(sq_norms, baselines, buffers.max_open_groups)
 
 
 def _apply_plan(state: MicroBatchState, closing: list[int], baselines: dict[int, float]) -> ApplyPlan:
