@@ -19,7 +19,7 @@ schedule beats its CPU-seconds ÷ cores, so at most 1 / utilisation (the k = 0 r
 from __future__ import annotations
 
 import asyncio
-import platform
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +27,7 @@ from typing import Any
 
 from configs.loader import load_config
 from configs.schema import AsyncBenchConfig, RunConfig
+from learner.benchmarks.host import host_description
 from learner.launch.run import run_training
 from learner.observability.metrics_log import read_metrics
 from learner.train.compose import engine_settings, load_task
@@ -73,9 +74,9 @@ def run_async_bench(bench: AsyncBenchConfig, cache_dir: Path,
         row["speedup_vs_k0"] = base["wall_s"] / row["wall_s"] if base else None
         if bound is not None and row["max_lag"] > 0:
             row["gap_to_bound"] = bound["speedup"] / row["speedup_vs_k0"]
+    host = host_description()
     return {"benchmark": "async", "run_config": bench.run_config, "overrides": bench.overrides,
-            "steps": bench.steps, "machine": platform.processor() or platform.machine(),
-            "overlap_bound": bound, "rows": rows}
+            "steps": bench.steps, "machine": host["cpu"], "host": host, "overlap_bound": bound, "rows": rows}
 
 
 def overlap_bound(k0: dict[str, Any]) -> dict[str, float]:
@@ -89,8 +90,6 @@ def overlap_bound(k0: dict[str, Any]) -> dict[str, float]:
 
 def _cores() -> int:
     """CPUs this process may run on."""
-    import os
-
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
