@@ -18,6 +18,19 @@ if ! command -v bwrap >/dev/null 2>&1; then
   fi
 fi
 
+# --- tcmalloc: the heavy vcpo commands re-execute on it when present (learner/cli/allocator.py says
+# why: glibc's malloc page-faults each learner step's activations in again; ~1.4x on the learner step)
+if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*/libtcmalloc_minimal.so.4* /usr/lib64/libtcmalloc_minimal.so.4* >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing tcmalloc (apt-get libtcmalloc-minimal4)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null) \
+      || echo "[setup] WARNING: could not install libtcmalloc-minimal4; vcpo runs on glibc malloc (slower)" >&2
+  else
+    echo "[setup] note: libtcmalloc-minimal4 is missing; 'sudo apt-get install libtcmalloc-minimal4' makes" >&2
+    echo "[setup]       the learner ~1.4x faster on CPU (vcpo falls back to a tuned glibc malloc)." >&2
+  fi
+fi
+
 # --- python environment
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"

@@ -10,11 +10,13 @@ from typing import Any
 
 
 def host_description() -> dict[str, Any]:
-    """CPU model, torch's thread count, bf16 support in hardware, torch and transformers versions."""
+    """CPU model, torch's thread count, bf16 support in hardware, torch and transformers versions, the
+    memory allocator (tcmalloc or glibc: ~1.4x on a CPU learner step, learner/launch/allocator.py)."""
     import torch
     import transformers
 
     from learner.forward.logprobs import native_bf16
+    from learner.launch.allocator import active_allocator
 
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
@@ -24,4 +26,5 @@ def host_description() -> dict[str, Any]:
                 break
     return {"cpu": cpu, "threads": torch.get_num_threads(),
             "native_bf16_cpu": native_bf16(torch.device("cpu")),
-            "torch": torch.__version__, "transformers": transformers.__version__}
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "allocator": active_allocator()}

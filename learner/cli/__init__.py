@@ -1,10 +1,21 @@
 """The `vcpo` command (`main`): argument parsing and each subcommand's wiring, with `vcpo config check`'s
-catalogue of shipped YAML files (`config_catalog`) and `vcpo eval` (`eval_command`).
+catalogue of shipped YAML files (`config_catalog`) and `vcpo eval` (`eval_command`); `console` is the
+installed script, which first picks the memory allocator (`learner.launch.allocator`).
 
 May import: everything in `learner` (it is the composition root's top); subcommands import lazily so
 `vcpo --help` stays instant.
 """
 
 from learner.cli.main import main
+from learner.launch.allocator import prefer_tcmalloc
 
-__all__ = ["main"]
+__all__ = ["console", "main"]
+
+
+def console() -> int:
+    """The installed `vcpo` script and `python -m learner.cli`: `main` on the preferred allocator.
+
+    Separate from `main` because choosing the allocator may re-execute the process, which code that
+    calls `main(argv)` in-process (tests, notebooks) must never see."""
+    prefer_tcmalloc()
+    return main()

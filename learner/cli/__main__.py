@@ -2,6 +2,6 @@
 
 import sys
 
-from learner.cli.main import main
+from learner.cli import console
 
-sys.exit(main())
+sys.exit(console())

@@ -282,6 +282,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from configs.loader import load_config, write_resolved_config
     from configs.schema import RunConfig
+    from learner.launch.allocator import active_allocator
     from learner.launch.run import run_training
     from learner.observability.console import divert_library_output
     from learner.train.compose import engine_settings, load_task
@@ -298,8 +299,8 @@ def _train(args: argparse.Namespace) -> int:
         with contextlib.ExitStack() as stack:
             if library_log is not None:  # engine and library output to a file; -v keeps it on the terminal
                 console = stack.enter_context(divert_library_output(library_log))
-                print(f"vcpo train: engine and library output → {library_log} (-v shows it here)",
-                      file=console)
+                print(f"vcpo train: engine and library output → {library_log} (-v shows it here); "
+                      f"memory allocator: {active_allocator()}", file=console)
             summary = asyncio.run(run_training(config, task, task_path, settings, cache_dir, run_dir,
                                                progress=not args.no_progress,
                                                stop_after_step=args.stop_after_step))

@@ -1,5 +1,6 @@
 """Launching a training run: in this process or across a Ray cluster (`run.run_training` picks), with the
-Ray driver (`ray_launcher`) and its actors (`ray_actors`: rollout workers, learner ranks, sandboxes).
+Ray driver (`ray_launcher`) and its actors (`ray_actors`: rollout workers, learner ranks, sandboxes), and
+the process's memory allocator (`allocator`: tcmalloc for the heavy commands).
 
 May import: `learner.train` and everything below it.
 """

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from learner.launch.allocator import find_tcmalloc
 from learner.observability.metrics_log import read_metrics
 from learner.train.checkpointing import latest_checkpoint, load_checkpoint
 
@@ -184,7 +185,9 @@ def test_the_terminal_shows_our_progress_and_the_libraries_go_to_the_run_log(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     library_log = tmp_path / "run" / "logs" / "libraries.log"
     lines = result.stderr.splitlines()
-    assert lines[0] == f"vcpo train: engine and library output → {library_log} (-v shows it here)"
+    allocator = "tcmalloc" if find_tcmalloc() else "glibc (tuned)"  # learner/launch/allocator.py
+    assert lines[0] == (f"vcpo train: engine and library output → {library_log} (-v shows it here); "
+                        f"memory allocator: {allocator}")
     assert [line.split(" |")[0] for line in lines[1:]] == ["step 1/2 (50%)", "step 2/2 (100%)"], lines
     assert "Loading weights" in library_log.read_text()  # the model loads, at least twice (engine, learner)
     verbose = _vcpo("-v", "train", str(config), "trainer.total_steps=3")  # resumes at 2; -v: all here
