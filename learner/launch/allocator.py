@@ -116,4 +116,7 @@ def prefer_tcmalloc(argv: Sequence[str] | None = None) -> None:
     env.setdefault("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(2**40))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError:  # cannot re-execute (no interpreter path, seccomp): stay, on tuned glibc
+        tune_glibc()
