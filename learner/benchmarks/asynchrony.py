@@ -74,9 +74,8 @@ def run_async_bench(bench: AsyncBenchConfig, cache_dir: Path,
         row["speedup_vs_k0"] = base["wall_s"] / row["wall_s"] if base else None
         if bound is not None and row["max_lag"] > 0:
             row["gap_to_bound"] = bound["speedup"] / row["speedup_vs_k0"]
-    host = host_description()
     return {"benchmark": "async", "run_config": bench.run_config, "overrides": bench.overrides,
-            "steps": bench.steps, "machine": host["cpu"], "host": host, "overlap_bound": bound, "rows": rows}
+            "steps": bench.steps, "host": host_description(), "overlap_bound": bound, "rows": rows}
 
 
 def overlap_bound(k0: dict[str, Any]) -> dict[str, float]:

@@ -22,7 +22,6 @@ mask is built. It measures; the tests check the results.
 from __future__ import annotations
 
 import math
-import platform
 import random
 import statistics
 import time
@@ -34,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from configs.schema import OpobBenchConfig
+from learner.benchmarks.host import host_description
 from learner.forward.logprobs import packed_target_logprobs
 from learner.forward.packing import PackedMicroBatch, TargetPadding, TrajectoryTokens, pack_trajectories
 from learner.forward.varlen_attention import register_varlen_sdpa
@@ -199,8 +199,7 @@ def run_opob_bench(config: OpobBenchConfig, cache_dir: Path,
         "parameters": params,
         "dtype": "float32",
         "device": "cpu",
-        "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
+        "host": host_description(),
         "rows": rows,
         "target": {"vcpo_fast_over_grpo_max": 1.15, "worst_measured": worst,
                    "is_met": bool(worst <= 1.15 and math.isfinite(worst))},

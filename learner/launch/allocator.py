@@ -101,12 +101,12 @@ def prefer_tcmalloc(argv: Sequence[str] | None = None) -> None:
     Returns normally unless it re-executes (then it never returns). Call it before torch is imported.
     """
     argv = sys.argv[1:] if argv is None else argv
-    if _command(argv) not in HEAVY_COMMANDS or os.environ.get(ENV_CHOICE, "auto") == "system":
-        return
-    if active_allocator() in ("tcmalloc", "jemalloc"):
+    if (not sys.platform.startswith("linux") or _command(argv) not in HEAVY_COMMANDS
+            or os.environ.get(ENV_CHOICE, "auto") == "system"
+            or active_allocator() in ("tcmalloc", "jemalloc")):
         return
     library = None if os.environ.get(ENV_DONE) else find_tcmalloc()
-    if library is None or not sys.platform.startswith("linux"):
+    if library is None:
         tune_glibc()
         return
     env = dict(os.environ)
@@ -120,3 +120,7 @@ def prefer_tcmalloc(argv: Sequence[str] | None = None) -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     except OSError:  # cannot re-execute (no interpreter path, seccomp): stay, on tuned glibc
         tune_glibc()
+
+
+if __name__ == "__main__":  # scripts/setup.sh: exit 0 when a tcmalloc is installed (one list of places)
+    sys.exit(0 if find_tcmalloc() else 1)
