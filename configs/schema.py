@@ -507,6 +507,9 @@ class LearnerBenchConfig(StrictModel):
     """The step timed: plain GRPO, or VCPO with its per-trajectory gradient norms."""
     proximal: Literal["separate", "reuse", "auto"] = "auto"
     """Where log π_old comes from (`learner.proximal`: a separate forward, or the gradient pass's)."""
+    share_prompts: bool = True
+    """Forward each group's common prompt once where no per-trajectory hook needs it
+    (`learner.share_prompts`; the run's default). False: every trajectory forwards its whole prompt."""
     kind: Literal["llama", "qwen2"] = "llama"
     """Architecture of the random model."""
     hidden_size: int = Field(576, ge=8)
@@ -693,6 +696,15 @@ class LearnerConfig(StrictModel):
     that forward is in the weights' dtype anyway (no autocast: the same log-probs), else 'separate'.
     Reuse applies to VCPO on the torch learner's fast norm path; elsewhere the learner keeps the
     separate forward."""
+    share_prompts: bool = True
+    """Forward each group's common prompt once instead of once per trajectory, wherever no hook needs
+    each trajectory's own activations: the proximal pass (log π_old), the reference model's and OTB's
+    no-grad passes, and the gradient forward of objectives without per-trajectory norms (VCPO's
+    per-trajectory norms keep the full layout). The members keep their own tokens from the one before
+    their first sampled token on and attend to the shared prompt (learner/forward/packing.py
+    `share_prefixes`). The same log-probs up to float summation order; in the default run about half
+    the tokens are prompt. Torch backend only (its varlen attention); false: every trajectory forwards
+    its whole prompt."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallel layout and kernels of backend='megatron' (ignored by 'torch')."""
 

@@ -44,13 +44,15 @@ from torch import Tensor, nn
 from configs.schema import AlgoConfig, OptimConfig
 from learner.backends.algorithm import build_lr_scale_rule, build_objective
 from learner.distributed.data_parallel import DataParallel, assign_groups
-from learner.forward.logprobs import autocast, packed_target_logprobs, packed_target_stats
+from learner.forward.logprobs import autocast, can_share_prompts, packed_target_logprobs, packed_target_stats
 from learner.forward.packing import (
     PackedMicroBatch,
+    SharedPrefixLayout,
     TargetPadding,
     TrajectoryTokens,
     build_microbatch,
     plan_microbatches,
+    share_prefixes,
 )
 from learner.traj_grads.opob_grad import (
     BaselineFn,
@@ -96,7 +98,8 @@ class TorchLearner:
     def __init__(self, model: nn.Module, algo: AlgoConfig, optim: OptimConfig, *, micro_batch_tokens: int,
                  temperature: float = 1.0, autocast_dtype: torch.dtype | None = None,
                  autocast_proximal: bool = False, data_parallel: DataParallel | None = None,
-                 proximal: Literal["separate", "reuse", "auto"] = "separate") -> None:
+                 proximal: Literal["separate", "reuse", "auto"] = "separate",
+                 share_prompts: bool = False) -> None:
         self.model = model.train()
         self.data_parallel = data_parallel
         """None: one process. Else this replica's rank among the data-parallel ones (module docstring)."""
@@ -108,6 +111,10 @@ class TorchLearner:
         stay in the weights' dtype, so an fp32 engine's ratios at lag 0 stay exactly 1."""
         self.proximal = proximal
         """Where log π_old comes from (`learner.proximal`); see `reuses_gradient_forward`."""
+        self.share_prompts = share_prompts
+        """Forward a group's common prompt once (`learner.share_prompts`) wherever no hook needs each
+        trajectory's own activations: the proximal, reference and OTB passes and the autograd gradient
+        forward of objectives without per-trajectory norms (and of VCPO's KL term)."""
         self.algo, self.optim_config = algo, optim
         self.objective = build_objective(algo)
         self.lr_rule = build_lr_scale_rule(algo)
@@ -174,6 +181,7 @@ class TorchLearner:
         group_ids = torch.tensor(list(batch.group_ids), dtype=torch.long, device=self.device)
         lags = torch.tensor(list(batch.lags), dtype=torch.long, device=self.device)
         behavior = [self._behavior(batch.trajectories, mb) for mb in microbatches]
+        layouts = self._shared_prompt_layouts(microbatches)
         sum_sq = None
         started = time.perf_counter()  # phase times: CPU-synchronous; on CUDA they time the launches
         reuse = self.reuses_gradient_forward
@@ -181,18 +189,18 @@ class TorchLearner:
             if reuse:  # log π_old from the gradient pass's forward (filled in by _vcpo_gradient)
                 old = [self._zeros(mb) for mb in microbatches]
             elif self.objective.needs_sum_probs_squared:  # OTB: Σ_v π_old(v)² from the same forward
-                stats = [self._target_stats(mb) if own else (self._zeros(mb), self._zeros(mb))
-                         for mb, own in zip(microbatches, mine, strict=True)]
+                stats = [self._target_stats(mb, layout) if own else (self._zeros(mb), self._zeros(mb))
+                         for mb, own, layout in zip(microbatches, mine, layouts, strict=True)]
                 old, sum_sq = self._share([lp for lp, _ in stats]), self._share([sq for _, sq in stats])
             else:
-                old = self._share([self._logprobs(self.model, mb) if own else self._zeros(mb)
-                                   for mb, own in zip(microbatches, mine, strict=True)])
+                old = self._share([self._logprobs(self.model, mb, layout) if own else self._zeros(mb)
+                                   for mb, own, layout in zip(microbatches, mine, layouts, strict=True)])
             ref = None
             if self.reference is not None:
-                ref = self._share([self._logprobs(self.reference, mb) if own else self._zeros(mb)
-                                   for mb, own in zip(microbatches, mine, strict=True)])
+                ref = self._share([self._logprobs(self.reference, mb, layout) if own else self._zeros(mb)
+                                   for mb, own, layout in zip(microbatches, mine, layouts, strict=True)])
         proximal_s, started = time.perf_counter() - started, time.perf_counter()
-        full = _FullBatch(microbatches, size, old, behavior, ref, self.device, sum_sq)
+        full = _FullBatch(microbatches, size, old, behavior, ref, self.device, sum_sq, layouts)
         num_units = full.num_units(self.objective.loss_aggregation)
         norms = None
         if self.objective.needs_grad_norms:
@@ -216,6 +224,9 @@ class TorchLearner:
         metrics.update({key: _plain(value) for key, value in lr_scale.metrics.items()})
         metrics.update({"lr/base": base_lr, "grad/norm": grad_norm,
                         "train/trajectories": size, "train/micro_batches": len(microbatches),
+                        "train/prompt_tokens_shared": sum(
+                            mb.num_tokens - layout.num_tokens
+                            for mb, layout in zip(microbatches, layouts, strict=True) if layout),
                         "train/nonfinite_trajectories": int(output.counts.nonfinite_trajectories),
                         "train/degenerate_groups": int(output.counts.degenerate_groups),
                         "time/learner_proximal": proximal_s, "time/learner_gradient": gradient_s,
@@ -291,19 +302,27 @@ class TorchLearner:
                 values += [logprob for logprob, is_sampled in pairs if is_sampled]
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 
-    def _logprobs(self, model: nn.Module | None, mb: PackedMicroBatch, *, proximal: bool = True) -> Tensor:
-        """Target log-probs; `proximal`: the no-grad pass (autocast only with `autocast_proximal`)."""
+    def _shared_prompt_layouts(self, microbatches: list[PackedMicroBatch]) -> list[SharedPrefixLayout | None]:
+        """Per micro-batch, its layout with each group's prompt once (`share_prompts`), or None."""
+        if not self.share_prompts or not can_share_prompts(self.model):
+            return [None] * len(microbatches)
+        return [share_prefixes(mb) for mb in microbatches]
+
+    def _logprobs(self, model: nn.Module | None, mb: PackedMicroBatch,
+                  layout: SharedPrefixLayout | None = None, *, proximal: bool = True) -> Tensor:
+        """Target log-probs; `proximal`: the no-grad pass (autocast only with `autocast_proximal`);
+        `layout`: the micro-batch with its groups' prompts shared."""
         if mb.target_positions.numel() == 0:
             return torch.zeros(0, device=self.device)
         with autocast(self.device, self._forward_dtype(proximal)):
-            return packed_target_logprobs(model, mb, temperature=self.temperature)
+            return packed_target_logprobs(model, mb, temperature=self.temperature, layout=layout)
 
-    def _target_stats(self, mb: PackedMicroBatch) -> tuple[Tensor, Tensor]:
+    def _target_stats(self, mb: PackedMicroBatch, layout: SharedPrefixLayout | None) -> tuple[Tensor, Tensor]:
         if mb.target_positions.numel() == 0:
             empty = torch.zeros(0, device=self.device)
             return empty, empty
         with autocast(self.device, self._forward_dtype(proximal=True)):
-            return packed_target_stats(self.model, mb, temperature=self.temperature)
+            return packed_target_stats(self.model, mb, temperature=self.temperature, layout=layout)
 
     def _forward_dtype(self, proximal: bool) -> torch.dtype | None:
         return None if proximal and not self.autocast_proximal else self.autocast_dtype
@@ -318,7 +337,7 @@ class TorchLearner:
             pad = full.padding[index]
             local = mb.trajectory_indices
             inputs = PolicyLossInputs(
-                logprobs=pad(self._logprobs(self.model, mb, proximal=False)),
+                logprobs=pad(self._logprobs(self.model, mb, full.layouts[index], proximal=False)),
                 old_logprobs=pad(full.old[index]),
                 behavior_logprobs=pad(full.behavior[index]), loss_mask=pad.mask, rewards=rewards[local],
                 group_ids=group_ids[local], lags=lags[local],
@@ -448,8 +467,11 @@ class _FullBatch:
 
     def __init__(self, microbatches: list[PackedMicroBatch], size: int, old: list[Tensor],
                  behavior: list[Tensor], ref: list[Tensor] | None, device: torch.device,
-                 sum_sq: list[Tensor] | None = None) -> None:
+                 sum_sq: list[Tensor] | None = None, layouts: list[SharedPrefixLayout | None] | None = None
+                 ) -> None:
         self.microbatches, self.size, self.device = microbatches, size, device
+        self.layouts = layouts or [None] * len(microbatches)
+        """Per micro-batch, its layout with each group's prompt once (None: the full packed row)."""
         self.old, self.behavior, self.ref, self.sum_sq = old, behavior, ref, sum_sq
         self.padding = [TargetPadding(mb) for mb in microbatches]
         self.width = max([max(mb.target_counts) for mb in microbatches] + [1])

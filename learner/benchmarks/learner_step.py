@@ -162,7 +162,8 @@ def unsupported_reason(backend: str, device: str, dtype: str) -> str | None:
 
 
 def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: torch.dtype,
-           micro_batch_tokens: int, megatron: MegatronConfig, proximal: str = "auto") -> TorchLearner:
+           micro_batch_tokens: int, megatron: MegatronConfig, proximal: str = "auto",
+           share_prompts: bool = True) -> TorchLearner:
     optim = OptimConfig(lr=1e-6)
     if backend in ("torch", "torch-autocast"):
         from transformers import AutoModelForCausalLM
@@ -178,7 +179,7 @@ def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: tor
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
         model.set_attn_implementation(register_varlen_sdpa())
         return TorchLearner(model, algo, optim, micro_batch_tokens=micro_batch_tokens,
-                            autocast_dtype=autocast, proximal=proximal)
+                            autocast_dtype=autocast, proximal=proximal, share_prompts=share_prompts)
     if not device.startswith("cuda"):
         raise ValueError("the megatron learner benchmark needs CUDA (megatron-core hard-codes torch.cuda); "
                          "use device='cuda' or backend='torch'")
@@ -204,7 +205,8 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
                   objective: Literal["grpo", "vcpo"] = "grpo",
                   dtype: Literal["float32", "bfloat16"] = "float32", micro_batch_tokens: int = 4096,
                   steps: int = 3, warmup: int = 1, megatron: MegatronConfig | None = None,
-                  proximal: str = "auto", peak_gemm_size: int = 4096, seed: int = 0) -> dict[str, Any]:
+                  proximal: str = "auto", share_prompts: bool = True, peak_gemm_size: int = 4096,
+                  seed: int = 0) -> dict[str, Any]:
     """Time `steps` learner steps (after `warmup`) on one random batch; a JSON-able dict of the results.
 
     `peak_memory_mib`: CUDA peak allocated bytes on GPUs; on CPU the process's peak RSS (includes
@@ -216,7 +218,7 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
     with tempfile.TemporaryDirectory(prefix="vcpo-bench-learner-") as tmp:
         hf_dir = write_random_checkpoint(shape, Path(tmp) / "model", seed)
         learner = _build(backend, hf_dir, device, algo, torch_dtype, micro_batch_tokens,
-                         megatron or MegatronConfig(), proximal)
+                         megatron or MegatronConfig(), proximal, share_prompts)
     step_input = random_batch(batch, shape.vocab_size, seed)
     matmul_dtype = "bfloat16" if backend == "torch-autocast" else dtype
     matmul_dtypes = dict.fromkeys([matmul_dtype, dtype])
@@ -246,11 +248,15 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
     # the step's own matmuls at the peaks of their dtypes: a separate proximal forward in the weights'
     # dtype, the gradient passes in the matmul dtype
     reuses = bool(getattr(learner, "reuses_gradient_forward", False))
-    proximal_flops = 0.0 if reuses else flops["proximal_forward_flops"]
+    # … over the tokens it forwarded: a group's shared prompt once (`share_prompts`)
+    forwarded = 1.0 - float(metrics.get("train/prompt_tokens_shared", 0.0)) / tokens
+    proximal_flops = 0.0 if reuses else flops["proximal_forward_flops"] * forwarded
     roofline_s = (proximal_flops / (peaks[dtype] * 1e9) + flops["model_flops"] / (peaks[matmul_dtype] * 1e9))
     return {
         "backend": backend, "device": device, "dtype": dtype, "matmul_dtype": matmul_dtype,
         "objective": objective, "proximal": proximal, "reuses_gradient_forward": reuses,
+        "share_prompts": share_prompts,
+        "prompt_tokens_shared_per_step": float(metrics.get("train/prompt_tokens_shared", 0.0)),
         "shape": asdict(shape), "batch": asdict(batch), "micro_batch_tokens": micro_batch_tokens,
         "parameters_on_rank": sum(p.numel() for p in learner.model.parameters()),
         "megatron": (megatron or MegatronConfig()).model_dump() if backend == "megatron" else None,
@@ -285,6 +291,7 @@ def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
                                              objective=config.objective, dtype=config.dtype,
                                              micro_batch_tokens=config.micro_batch_tokens, steps=config.steps,
                                              warmup=config.warmup, proximal=config.proximal,
+                                             share_prompts=config.share_prompts,
                                              peak_gemm_size=config.peak_gemm_size)
         except (ValueError, RuntimeError, ImportError) as exc:
             results[backend] = {"backend": backend, "device": device, "error": f"{type(exc).__name__}: {exc}"}

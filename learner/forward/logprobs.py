@@ -16,7 +16,7 @@ import contextlib
 import torch
 from torch import Tensor, nn
 
-from learner.forward.packing import PackedMicroBatch
+from learner.forward.packing import PackedMicroBatch, SharedPrefixLayout
 from learner.forward.varlen_attention import VARLEN_SDPA
 
 PACKING_AWARE_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3", VARLEN_SDPA})
@@ -103,7 +103,8 @@ def check_packing_aware(model: nn.Module) -> None:
 
 
 def packed_target_logprobs(
-    model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Tensor | None = None, temperature: float = 1.0
+    model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Tensor | None = None, temperature: float = 1.0,
+    *, layout: SharedPrefixLayout | None = None,
 ) -> Tensor:
     """Log-probabilities of the targets of `batch` under `model`, one forward pass.
 
@@ -111,28 +112,38 @@ def packed_target_logprobs(
     (the fast per-trajectory gradient path starts its graph there). Returns (K,) float32,
     aligned with `batch.target_positions`. Gradients flow if grad mode is on. `temperature`: the
     sampling temperature T of the behaviour policy; log-probs are of softmax(logits / T), as the
-    engines report them.
+    engines report them. `layout`: forward `share_prefixes(batch)` instead, each group's common prompt
+    once (needs `can_share_prompts(model)`): the same values up to the rounding of another summation
+    order, and as differentiable — but not for hooks that attribute a token's gradient to one trajectory.
     """
-    logits = _target_logits(model, batch, inputs_embeds, temperature)
+    logits = _target_logits(model, batch, inputs_embeds, temperature, layout)
     return token_logprobs(logits, batch.target_ids[batch.target_positions])
 
 
+def can_share_prompts(model: nn.Module) -> bool:
+    """Whether `model`'s attention understands `share_prefixes`' branches (`VARLEN_SDPA`)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == VARLEN_SDPA
+
+
 def _target_logits(model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Tensor | None,
-                   temperature: float) -> Tensor:
+                   temperature: float, layout: SharedPrefixLayout | None = None) -> Tensor:
     """(K, V) logits / T at the target positions of `batch`, from one packed forward."""
-    if batch.num_trajectories > 1:  # a single sequence is isolated by any causal attention
-        check_packing_aware(model)
-    token_inputs = (
-        {"input_ids": batch.input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
-    )
+    if layout is not None:
+        if inputs_embeds is not None or not can_share_prompts(model):
+            raise ValueError("a shared-prompt layout needs input ids and attn_implementation "
+                             f"{VARLEN_SDPA!r}: no other attention lets a trajectory read another's prompt")
+        token_inputs = {"input_ids": layout.input_ids(batch)}
+        position_ids, targets = layout.position_ids(batch), layout.target_positions
+    else:
+        if batch.num_trajectories > 1:  # a single sequence is isolated by any causal attention
+            check_packing_aware(model)
+        token_inputs = (
+            {"input_ids": batch.input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+        )
+        position_ids, targets = batch.position_ids, batch.target_positions
     # use_cache=False matters: with a cache HF skips the packed-sequence mask and trajectories
     # would attend to each other.
-    output = model(
-        **token_inputs,
-        position_ids=batch.position_ids,
-        use_cache=False,
-        logits_to_keep=batch.target_positions,
-    )
+    output = model(**token_inputs, position_ids=position_ids, use_cache=False, logits_to_keep=targets)
     # squeeze, not [0]: select's backward would allocate and copy a zero (1, K, V) gradient.
     logits = output.logits.squeeze(0)
     return logits / temperature if temperature != 1.0 else logits
@@ -150,13 +161,15 @@ def trajectory_logliks(target_logprobs: Tensor, batch: PackedMicroBatch) -> Tens
 
 
 def packed_target_stats(
-    model: nn.Module, batch: PackedMicroBatch, temperature: float = 1.0
+    model: nn.Module, batch: PackedMicroBatch, temperature: float = 1.0, *,
+    layout: SharedPrefixLayout | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(log π(target), Σ_v π(v)²) at the targets of `batch`, one forward pass, no gradients: the
     proximal pass of objectives that need full-vocabulary statistics (OTB's logit-gradient energy
-    ‖e_y − π‖² = 1 − 2π(y) + Σ_v π(v)²). Returns two (K,) float32 tensors."""
+    ‖e_y − π‖² = 1 − 2π(y) + Σ_v π(v)²). Returns two (K,) float32 tensors. `layout` as in
+    `packed_target_logprobs`."""
     with torch.no_grad():
-        logits = _target_logits(model, batch, None, temperature).float()
+        logits = _target_logits(model, batch, None, temperature, layout).float()
         log_probs = torch.log_softmax(logits, dim=-1)
         targets = batch.target_ids[batch.target_positions]
         chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -248,6 +248,91 @@ def pack_trajectories(
     return [build_microbatch(trajectories, plan, aggregation) for plan in plans]
 
 
+SHARED_PREFIX_MIN_TOKENS = 16
+"""Shorter common prefixes are not worth a branch's extra attention call."""
+
+
+@dataclass(frozen=True)
+class SharedPrefixLayout:
+    """A micro-batch with each group's common prompt kept once: the subsequence `keep` of its packed
+    tokens. The first member of a run of consecutive trajectories with one prompt keeps all its tokens
+    (the *root*); the others keep only what follows the shared prefix, with their original positions, so
+    `learner/forward/varlen_attention.py` lets them attend to the root's prefix (a *branch*).
+    Trajectories without targets are left out. Only for forwards whose outputs are read at the
+    targets: every other position's hidden state is the unshared forward's only for the root."""
+
+    keep: Tensor
+    """(N',) long: the packed positions that remain, ascending."""
+    target_positions: Tensor
+    """(K,) long: the micro-batch's targets, in its order, as positions of the kept row."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keep.numel()
+
+    def input_ids(self, batch: PackedMicroBatch) -> Tensor:
+        return batch.input_ids[:, self.keep]
+
+    def position_ids(self, batch: PackedMicroBatch) -> Tensor:
+        return batch.position_ids[:, self.keep]
+
+
+def share_prefixes(batch: PackedMicroBatch,
+                   min_shared: int = SHARED_PREFIX_MIN_TOKENS) -> SharedPrefixLayout | None:
+    """The layout that computes each group's common prompt once, or None when nothing is shared.
+
+    Consecutive members of one group with targets form a run; its shared prefix is their longest
+    common token prefix, cut back so that it holds no target (the token before each trajectory's first
+    sampled token predicts it, so it stays in every branch). A run shares when that prefix has at
+    least `min_shared` tokens. Cost: O(N) host work (the token ids are read to the host)."""
+    ids = batch.input_ids[0].cpu()
+    targets = batch.target_mask.cpu()
+    starts = [0, *torch.tensor(batch.seq_lengths).cumsum(0).tolist()]
+    groups = batch.group_ids.tolist()
+    members = [j for j in range(batch.num_trajectories) if batch.target_counts[j] > 0]
+    kept: list[Tensor] = []
+    shared_any = False
+    run: list[int] = []
+    for position, j in enumerate(members):
+        run.append(j)
+        following = members[position + 1] if position + 1 < len(members) else None
+        if following is not None and groups[following] == groups[j]:
+            continue
+        prefix = _shared_prefix(ids, targets, starts, run)
+        shared = len(run) > 1 and prefix >= min_shared
+        shared_any = shared_any or shared
+        for rank, member in enumerate(run):
+            skip = prefix if shared and rank > 0 else 0
+            kept.append(torch.arange(starts[member] + skip, starts[member + 1]))
+        run = []
+    dropped = len(members) < batch.num_trajectories
+    if not shared_any and not dropped:
+        return None
+    keep = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long)
+    new_index = torch.full((ids.numel(),), -1, dtype=torch.long)
+    new_index[keep] = torch.arange(keep.numel())
+    device = batch.input_ids.device
+    return SharedPrefixLayout(keep=keep.to(device),
+                              target_positions=new_index[batch.target_positions.cpu()].to(device))
+
+
+def _shared_prefix(ids: Tensor, targets: Tensor, starts: list[int], run: list[int]) -> int:
+    """Tokens at the start of every trajectory in `run` that are the same and hold no target."""
+    first = run[0]
+    length = starts[first + 1] - starts[first]
+    reference = ids[starts[first]:starts[first + 1]]
+    for j in run:
+        own = ids[starts[j]:starts[j + 1]]
+        length = min(length, own.numel())
+        differ = torch.nonzero(own[:length] != reference[:length])
+        if differ.numel():
+            length = int(differ[0])
+        first_target = torch.nonzero(targets[starts[j]:starts[j + 1]])
+        if first_target.numel():
+            length = min(length, int(first_target[0]))
+    return length
+
+
 class TargetPadding:
     """Scatter (K,) per-target values of a micro-batch into (n, T_max) rows, one per trajectory —
     the (B, T) layout the objectives take. Row j holds trajectory j's targets left-aligned, in order;

@@ -7,12 +7,20 @@ about as much as all the linear layers together. This attention function (regist
 trajectory, finding the boundaries where `position_ids` restart at 0 — the role flash-attention's
 varlen kernel plays on GPU.
 
+Shared prompts (`learner/forward/packing.py` `share_prefixes`): a segment may also start at a position
+`p > 0` that does not continue the token before it. It is a *branch* of the last segment that started
+at 0 (its *root*): its queries attend to the root's first `p` tokens and causally to their own, as if
+the root's prefix stood in front of them. A group's eight trajectories then need their common prompt
+computed once instead of eight times. Layouts built by the packer never branch.
+
 Learner-only: it needs a packed training forward (`position_ids` given, no KV cache, query and
 key of the same length) and raises otherwise; models that generate keep `sdpa`. Registering is
 an explicit call (HF's attention registry is process-global), never an import side effect.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,16 +31,46 @@ VARLEN_SDPA = "vcpo_varlen_sdpa"
 """`attn_implementation` name of `varlen_sdpa_attention` after `register_varlen_sdpa()`."""
 
 
-def trajectory_bounds(position_ids: Tensor) -> list[tuple[int, int]]:
-    """`[start, end)` of each packed trajectory: a new one starts wherever the position is 0.
+@dataclass(frozen=True)
+class AttentionSegment:
+    """Packed positions `[start, end)` that attend causally to themselves and, for a branch
+    (`prefix > 0`), to the first `prefix` tokens of the root segment starting at `root`."""
 
-    `position_ids`: (1, N). One host sync (the boundaries are needed as Python ints).
-    """
-    starts = torch.nonzero(position_ids[0] == 0).flatten().tolist()
-    if not starts or starts[0] != 0:
+    start: int
+    end: int
+    root: int
+    prefix: int
+
+
+def attention_segments(position_ids: Tensor) -> list[AttentionSegment]:
+    """The segments of a packed row: a new one starts wherever the position does not continue the one
+    before it; it is a root where the position is 0, else a branch of the last root.
+
+    `position_ids`: (1, N). Two host syncs. Raises for a row that does not start at 0 or a branch
+    longer than its root."""
+    positions = position_ids[0]
+    if positions.numel() == 0 or int(positions[0]) != 0:
         raise ValueError("packed position_ids must start at 0 and restart at 0 at every trajectory")
-    ends = [*starts[1:], position_ids.shape[1]]
-    return list(zip(starts, ends, strict=True))
+    breaks = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
+    starts = [0, *breaks.tolist()]
+    first_positions = positions[breaks].tolist()
+    ends = [*starts[1:], positions.numel()]
+    segments: list[AttentionSegment] = []
+    root = root_length = 0
+    for start, end, prefix in zip(starts, ends, [0, *first_positions], strict=True):
+        if prefix == 0:
+            root, root_length = start, end - start
+        elif prefix > root_length:
+            raise ValueError(f"the segment at packed position {start} continues position {prefix - 1}, but "
+                             f"its root segment (from packed position {root}) has only {root_length} tokens")
+        segments.append(AttentionSegment(start, end, root, prefix))
+    return segments
+
+
+def _branch_mask(queries: int, prefix: int, device: torch.device) -> Tensor:
+    """(queries, prefix + queries) bool: every prefix key, then causal within the branch."""
+    own = torch.ones(queries, queries, dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.ones(queries, prefix, dtype=torch.bool, device=device), own], dim=1)
 
 
 def varlen_sdpa_attention(
@@ -64,17 +102,21 @@ def varlen_sdpa_attention(
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # HF's repeat_kv order: each KV head serves `groups` consecutive query heads
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    outputs = [
-        F.scaled_dot_product_attention(
+    outputs = []
+    for segment in attention_segments(position_ids):
+        start, end = segment.start, segment.end
+        if segment.prefix == 0:
+            outputs.append(F.scaled_dot_product_attention(
+                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+                dropout_p=dropout, is_causal=True, scale=scaling))
+            continue
+        shared = slice(segment.root, segment.root + segment.prefix)
+        outputs.append(F.scaled_dot_product_attention(
             query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
-            dropout_p=dropout,
-            is_causal=True,
-            scale=scaling,
-        )
-        for start, end in trajectory_bounds(position_ids)
-    ]
+            torch.cat([key[:, :, shared], key[:, :, start:end]], dim=2),
+            torch.cat([value[:, :, shared], value[:, :, start:end]], dim=2),
+            attn_mask=_branch_mask(end - start, segment.prefix, query.device),
+            dropout_p=dropout, scale=scaling))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -61,7 +61,7 @@ def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Torch
                         temperature=task.loop.temperature,
                         autocast_dtype=autocast,
                         autocast_proximal=config.learner.autocast_proximal,
-                        proximal=config.learner.proximal,
+                        proximal=config.learner.proximal, share_prompts=config.learner.share_prompts,
                         data_parallel=join_data_parallel_from_env(device))
 
 

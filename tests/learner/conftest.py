@@ -67,6 +67,31 @@ def random_trajectories(num_groups: int, per_group: int, seed: int = 0) -> list[
     return trajectories
 
 
+def shared_prompt_trajectories(num_groups: int, per_group: int, seed: int = 0, prompt: int = 20
+                               ) -> list[TrajectoryTokens]:
+    """Groups whose members share a `prompt`-token prompt (as an RL group does), responses of 3..20
+    tokens, some with a tool span; the second member of every group starts its response like the first
+    (the common prefix runs past the prompt) and the last member of group 0 is not trained."""
+    rng = random.Random(seed)
+    trajectories: list[TrajectoryTokens] = []
+    for group in range(num_groups):
+        shared = [rng.randrange(1, VOCAB) for _ in range(prompt + group)]
+        first_response: list[int] = []
+        for member in range(per_group):
+            response = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 20))]
+            if member == 0:
+                first_response = response
+            if member == 1:
+                response = first_response[:2] + response
+            loss_mask = [False] * len(shared) + [True] * len(response)
+            if len(response) > 10:
+                loss_mask[len(shared) + 5 : len(shared) + 8] = [False] * 3
+            if group == 0 and member == per_group - 1:
+                loss_mask = [False] * len(loss_mask)
+            trajectories.append(TrajectoryTokens(shared + response, loss_mask, group_id=100 + group))
+    return trajectories
+
+
 def capture_grads(learner: object) -> dict[str, torch.Tensor]:
     """Make `learner`'s next step record every parameter's gradient here (and skip its optimizer step):
     the dict fills when the step reaches `_finish`."""

@@ -16,7 +16,7 @@ from learner.forward.packing import TrajectoryTokens
 from learner.forward.varlen_attention import register_varlen_sdpa
 from learner.traj_grads.reference import trajectory_loglik
 from rollout.trajectory import Trajectory, TrajectoryVersions
-from tests.learner.conftest import capture_grads, random_trajectories, tiny_model
+from tests.learner.conftest import capture_grads, random_trajectories, shared_prompt_trajectories, tiny_model
 from vcpo.objectives import PolicyLossInputs
 
 
@@ -397,3 +397,41 @@ def test_reuse_under_autocast_gives_bf16_importance_weights_and_a_close_step() -
     errors = {name: float((reuse_grads[name] - grad).norm() / grad.norm())
               for name, grad in separate_grads.items() if grad.norm() > 0}
     assert max(errors.values()) < 0.1, errors
+
+
+@pytest.mark.parametrize(("objective", "kl_coef", "micro_batch_tokens"),
+                         [("vcpo", 0.0, 4096), ("vcpo", 0.3, 96), ("grpo", 0.0, 4096), ("otb", 0.0, 4096)])
+def test_sharing_a_groups_prompt_changes_no_number_of_the_step(objective: str, kl_coef: float,
+                                                               micro_batch_tokens: int) -> None:
+    """learner.share_prompts: the proximal (and reference / OTB) forward, and the gradient forward of
+    objectives without per-trajectory norms, compute each group's prompt once — the same IS statistics,
+    step size and gradient as forwarding every trajectory's whole prompt."""
+    tokens = shared_prompt_trajectories(num_groups=2, per_group=4, seed=4)
+    trajectories, groups = _as_trajectories(tokens, seed=5)
+    algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": 4, "kl_coef": kl_coef})
+    step = StepInput(trajectories, groups, [1] * len(tokens), [True] * len(tokens))
+    full, shared = (_learner(algo, micro_batch_tokens=micro_batch_tokens) for _ in range(2))
+    shared.share_prompts = True
+    _perturb_reference(full)
+    _perturb_reference(shared)
+    full_grads, shared_grads = capture_grads(full), capture_grads(shared)
+    full_metrics, shared_metrics = full.step(step), shared.step(step)
+    assert 0.05 < full_metrics["is/ess_ratio"] < 1.0
+    assert full_metrics["train/prompt_tokens_shared"] == 0
+    assert shared_metrics["train/prompt_tokens_shared"] >= 16 * (2 if micro_batch_tokens > 1000 else 1)
+    for key in ("is/ess_ratio", "is/w_max", "is/log_w_mean", "lr/scale"):
+        assert shared_metrics[key] == pytest.approx(full_metrics[key], rel=1e-5, abs=1e-6), key
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()))
+
+
+def test_shared_prompts_keep_on_policy_ratios_exact() -> None:
+    model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa(), seed=0).train()
+    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo"}, "group_size": 4})
+    learner = TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=4096, share_prompts=True)
+    prompt = list(range(3, 23))  # 20 tokens: shared
+    mask = [False] * 20 + [True] * 3
+    group = _on_policy_group(model, [*prompt, 30, 31, 32], [*prompt, 40, 41, 42], mask)
+    metrics = learner.step(StepInput(group, [0] * 4, [0] * 4, [True] * 4))
+    assert metrics["is/ess_ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["is/log_w_mean"] == pytest.approx(0.0, abs=1e-5)

@@ -27,6 +27,15 @@ def test_torch_learner_bench_reports_time_tokens_and_memory() -> None:
     assert result["peak_memory_mib"] > 0 and result["megatron"] is None
 
 
+def test_the_bench_shares_each_groups_prompt_like_the_run_unless_told_not_to() -> None:
+    batch = BenchBatch(groups=2, group_size=2, tokens=40, sampled=16, prompt=20)
+    rows = {share: bench_learner("torch", shape=TINY, batch=batch, objective="vcpo", steps=1, warmup=0,
+                                 peak_gemm_size=128, share_prompts=share) for share in (True, False)}
+    assert rows[True]["prompt_tokens_shared_per_step"] == 2 * 1 * 20  # each group's second member's prompt
+    assert rows[False]["prompt_tokens_shared_per_step"] == 0
+    assert rows[True]["share_prompts"] and not rows[False]["share_prompts"]
+
+
 def test_megatron_bench_on_cpu_says_what_to_do() -> None:
     with pytest.raises(ValueError, match="needs CUDA"):
         bench_learner("megatron", device="cpu", shape=TINY, batch=BenchBatch(groups=1, group_size=2, tokens=8,

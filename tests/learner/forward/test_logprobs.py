@@ -1,4 +1,5 @@
-"""Packed forward log-probabilities equal per-sequence ones: no attention across trajectories."""
+"""Packed forward log-probabilities equal per-sequence ones: no attention across trajectories; with a
+group's prompt shared, the same log-probs, statistics and gradient."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import torch
 from learner.forward.logprobs import (
     check_packing_aware,
     packed_target_logprobs,
+    packed_target_stats,
     token_logprobs,
     trajectory_logliks,
 )
-from learner.forward.packing import TrajectoryTokens, build_microbatch, pack_trajectories
-from learner.forward.varlen_attention import register_varlen_sdpa
-from tests.learner.conftest import tiny_model
+from learner.forward.packing import TrajectoryTokens, build_microbatch, pack_trajectories, share_prefixes
+from learner.forward.varlen_attention import attention_segments, register_varlen_sdpa
+from tests.learner.conftest import shared_prompt_trajectories, tiny_model
 
 
 def test_token_logprobs_by_hand() -> None:
@@ -84,3 +86,44 @@ def test_autocast_auto_is_bf16_only_where_the_hardware_does_bf16(monkeypatch: py
     for fields in ({"model": {"dtype": "bfloat16"}}, megatron):
         fields.setdefault("learner", {"autocast": "auto"})
         assert learner_autocast(RunConfig.model_validate(fields), cpu) is None
+
+
+def test_attention_segments_find_roots_and_branches() -> None:
+    positions = torch.tensor([[0, 1, 2, 3, 4, 2, 3, 0, 1, 0, 1, 2, 1, 2, 3]])
+    assert [(s.start, s.end, s.root, s.prefix) for s in attention_segments(positions)] == [
+        (0, 5, 0, 0), (5, 7, 0, 2), (7, 9, 7, 0), (9, 12, 9, 0), (12, 15, 9, 1)]
+    with pytest.raises(ValueError, match="has only 2 tokens"):
+        attention_segments(torch.tensor([[0, 1, 5, 6]]))  # a branch from position 5 of a 2-token root
+    with pytest.raises(ValueError, match="start at 0"):
+        attention_segments(torch.tensor([[1, 2, 3]]))
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2"])
+def test_shared_prompts_give_the_unshared_logprobs_stats_and_gradient(kind: str) -> None:
+    trajectories = shared_prompt_trajectories(num_groups=3, per_group=4, seed=1)
+    model = tiny_model(kind, register_varlen_sdpa())
+    batch = build_microbatch(trajectories, list(range(len(trajectories))))
+    layout = share_prefixes(batch)
+    assert layout is not None and layout.num_tokens < 0.6 * batch.num_tokens
+    with torch.no_grad():
+        full_stats = packed_target_stats(model, batch)
+        shared_stats = packed_target_stats(model, batch, layout=layout)
+    for full, shared in zip(full_stats, shared_stats, strict=True):
+        torch.testing.assert_close(shared, full, rtol=1e-5, atol=1e-5)
+    # differentiable like the unshared forward: the same gradient of a loss over every target
+    weights = torch.randn(int(batch.target_mask.sum()), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for shared_layout in (None, layout):
+        model.zero_grad()
+        (packed_target_logprobs(model, batch, layout=shared_layout) * weights).sum().backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    for name, full in grads[0].items():
+        torch.testing.assert_close(grads[1][name], full, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_shared_prompt_layout_is_refused_where_the_attention_cannot_branch() -> None:
+    trajectories = shared_prompt_trajectories(num_groups=2, per_group=3, seed=2)
+    model = tiny_model("llama_tied", "sdpa")  # HF's sdpa would let a branch see only itself
+    batch = build_microbatch(trajectories, list(range(len(trajectories))))
+    with pytest.raises(ValueError, match="read another's prompt"):
+        packed_target_logprobs(model, batch, layout=share_prefixes(batch))

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.forward.packing import TrajectoryTokens, build_microbatch, pack_trajectories, plan_microbatches
+from learner.forward.packing import (
+    TrajectoryTokens,
+    build_microbatch,
+    pack_trajectories,
+    plan_microbatches,
+    share_prefixes,
+)
 
 # A: prompt [5, 6], generated [7, 8]; B: prompt [9], generated [10], tool output [11].
 A = TrajectoryTokens([5, 6, 7, 8], [False, False, True, True], group_id=1)
@@ -75,3 +81,36 @@ def test_pack_trajectories_covers_every_trajectory_once() -> None:
     indices = torch.cat([b.trajectory_indices for b in batches]).tolist()
     assert sorted(indices) == [0, 1, 2]
     assert all(b.num_tokens <= 7 for b in batches)
+
+
+def test_share_prefixes_keeps_a_groups_prompt_once_up_to_the_token_before_the_first_sampled_one() -> None:
+    prompt = list(range(1, 21))  # 20 prompt tokens; both members then sample 30 first
+    first = TrajectoryTokens([*prompt, 30, 31, 32], [False] * 20 + [True] * 3, group_id=1)
+    second = TrajectoryTokens([*prompt, 30, 40], [False] * 20 + [True] * 2, group_id=1)
+    untrained = TrajectoryTokens([*prompt, 50], [False] * 21, group_id=1)
+    other = TrajectoryTokens([7, 8, 9], [False, True, True], group_id=2)
+    batch = build_microbatch([first, second, untrained, other], [0, 1, 2, 3])
+    layout = share_prefixes(batch)
+    assert layout is not None
+    # the common prefix is 21 tokens (prompt + 30) but position 19 predicts the first sampled token, so
+    # 19 are shared: `second` keeps packed 23 + 19.. (its positions 19, 20, 21), `untrained` is left out
+    assert layout.keep.tolist() == [*range(23), 42, 43, 44, 45 + 21, 45 + 22, 45 + 23]
+    assert layout.position_ids(batch).tolist() == [[*range(23), 19, 20, 21, 0, 1, 2]]
+    assert layout.input_ids(batch)[0, 23:].tolist() == [20, 30, 40, 7, 8, 9]
+    # the micro-batch's targets, in its order: first's 19..21, second's 19..20, other's 0..1
+    assert batch.target_positions.tolist() == [19, 20, 21, 42, 43, 66, 67]
+    assert layout.target_positions.tolist() == [19, 20, 21, 23, 24, 26, 27]
+    assert torch.equal(layout.input_ids(batch)[0, layout.target_positions + 1],
+                       batch.input_ids[0, batch.target_positions + 1])
+
+
+def test_share_prefixes_leaves_short_or_different_prompts_alone() -> None:
+    prompt = list(range(1, 21))
+    first = TrajectoryTokens([*prompt, 30, 31], [False] * 20 + [True] * 2, group_id=1)
+    second = TrajectoryTokens([*prompt, 40], [False] * 20 + [True], group_id=1)
+    assert share_prefixes(build_microbatch([first, second], [0, 1]), min_shared=20) is None  # 19 < 20
+    assert share_prefixes(build_microbatch([first, second], [0, 1]), min_shared=19) is not None
+    strangers = TrajectoryTokens([99, *prompt[1:], 40], [False] * 20 + [True], group_id=1)
+    assert share_prefixes(build_microbatch([first, strangers], [0, 1])) is None  # first tokens differ
+    other_group = TrajectoryTokens([*prompt, 40], [False] * 20 + [True], group_id=2)
+    assert share_prefixes(build_microbatch([first, other_group], [0, 1])) is None  # groups never share
