@@ -258,8 +258,10 @@ class SharedPrefixLayout:
     tokens. The first member of a run of consecutive trajectories with one prompt keeps all its tokens
     (the *root*); the others keep only what follows the shared prefix, with their original positions, so
     `learner/forward/varlen_attention.py` lets them attend to the root's prefix (a *branch*).
-    Trajectories without targets are left out. Only for forwards whose outputs are read at the
-    targets: every other position's hidden state is the unshared forward's only for the root."""
+    Trajectories without targets are left out. Every kept position computes what it would in the full
+    row; the members' copies of the prompt are not computed at all, so the layout serves forwards that are
+    read at the targets (log-probs and what autograd derives from them), not hooks that need each
+    trajectory's own activations at every position."""
 
     keep: Tensor
     """(N',) long: the packed positions that remain, ascending."""
