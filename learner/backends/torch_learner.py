@@ -181,10 +181,12 @@ class TorchLearner:
         group_ids = torch.tensor(list(batch.group_ids), dtype=torch.long, device=self.device)
         lags = torch.tensor(list(batch.lags), dtype=torch.long, device=self.device)
         behavior = [self._behavior(batch.trajectories, mb) for mb in microbatches]
-        layouts = self._shared_prompt_layouts(microbatches)
         sum_sq = None
         started = time.perf_counter()  # phase times: CPU-synchronous; on CUDA they time the launches
         reuse = self.reuses_gradient_forward
+        # with `reuse` and no reference model, no forward of this step takes the shared layout
+        layouts = self._shared_prompt_layouts(microbatches, mine,
+                                              used=not reuse or self.reference is not None)
         with torch.no_grad():  # each rank its own micro-batches; zeros stand in for the others' until _share
             if reuse:  # log π_old from the gradient pass's forward (filled in by _vcpo_gradient)
                 old = [self._zeros(mb) for mb in microbatches]
@@ -302,11 +304,13 @@ class TorchLearner:
                 values += [logprob for logprob, is_sampled in pairs if is_sampled]
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 
-    def _shared_prompt_layouts(self, microbatches: list[PackedMicroBatch]) -> list[SharedPrefixLayout | None]:
-        """Per micro-batch, its layout with each group's prompt once (`share_prompts`), or None."""
-        if not self.share_prompts or not can_share_prompts(self.model):
+    def _shared_prompt_layouts(self, microbatches: list[PackedMicroBatch], mine: list[bool], *,
+                               used: bool) -> list[SharedPrefixLayout | None]:
+        """Per micro-batch this rank forwards, its layout with each group's prompt once (`share_prompts`);
+        None where nothing is shared, for other ranks' micro-batches, and when no forward will take one."""
+        if not used or not self.share_prompts or not can_share_prompts(self.model):
             return [None] * len(microbatches)
-        return [share_prefixes(mb) for mb in microbatches]
+        return [share_prefixes(mb) if own else None for mb, own in zip(microbatches, mine, strict=True)]
 
     def _logprobs(self, model: nn.Module | None, mb: PackedMicroBatch,
                   layout: SharedPrefixLayout | None = None, *, proximal: bool = True) -> Tensor:

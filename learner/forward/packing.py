@@ -289,7 +289,7 @@ def share_prefixes(batch: PackedMicroBatch,
     least `min_shared` tokens. Cost: O(N) host work (the token ids are read to the host)."""
     ids = batch.input_ids[0].cpu()
     targets = batch.target_mask.cpu()
-    starts = [0, *torch.tensor(batch.seq_lengths).cumsum(0).tolist()]
+    starts = batch.cu_seqlens.tolist()
     groups = batch.group_ids.tolist()
     members = [j for j in range(batch.num_trajectories) if batch.target_counts[j] > 0]
     kept: list[Tensor] = []
