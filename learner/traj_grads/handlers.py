@@ -20,7 +20,9 @@ loss `Σ_j ℓ_j` the gradient reaching a layer output at a position of trajecto
   an `out × in` matrix per trajectory, memory-bound).
 
 The choice is per (layer, trajectory): Gram when `2 T² (in + out) ≤ dense_cost_flops · in · out`,
-where `dense_cost_flops` is the price of one element of those memory passes in flops.
+where `dense_cost_flops` is the price of one element of those memory passes in flops. A trajectory
+whose group is still open after this micro-batch costs the Gram route one more GEMM (`S_g` gets
+its own deferred product, `2 T · in · out` flops), so for it the left side carries that term too.
 
 RMSNorm weight: `Σ_t δ_t ⊙ x̂_t` per trajectory; bias: `Σ_t δ_t`; input embedding: the rows of
 the trajectory's tokens receive `δ` of the embedding output. All three are tiny per trajectory
@@ -96,6 +98,9 @@ class MicroBatchState:
     buffers: GroupBuffers
     dense_cost_flops: float
     vocab_size: int
+    closing_groups: frozenset[int] | None = None
+    """Groups whose last member is in this micro-batch (their `b*_g` is known at `apply`, so the Gram
+    route needs no `S_g` product for them); None: treat every group as open."""
     sq_norms: Tensor = field(init=False)
     """(n,) fp32 running `‖g_j‖²`."""
     group_of: tuple[int, ...] = field(init=False)
@@ -130,6 +135,10 @@ class MicroBatchState:
         only the forward computes (`learner.proximal: reuse`)."""
         self.reward_coefs, self.baseline_coefs = reward_coefs, baseline_coefs
         self._coefs_host = tuple(zip(reward_coefs.tolist(), baseline_coefs.tolist(), strict=True))
+
+    def group_open(self, j: int) -> bool:
+        """Whether trajectory `j`'s group stays open after this micro-batch."""
+        return self.closing_groups is None or self.group_of[j] not in self.closing_groups
 
     def coefs_of(self, j: int) -> tuple[float, float]:
         """Host `(a_j, s_j)`."""
@@ -194,11 +203,14 @@ def _rows_of(segments: Segments, trajectories: list[int], device: torch.device) 
     return torch.cat(pieces)
 
 
-def _gram_is_cheaper(length: int, in_features: int, out_features: int, dense_cost_flops: float) -> bool:
-    """Gram norm (`2T²(in+out)` flops) vs materialising `G_j` (`in·out` elements, memory-bound)."""
-    return (
-        2.0 * length * length * (in_features + out_features) <= dense_cost_flops * in_features * out_features
-    )
+def _gram_is_cheaper(length: int, in_features: int, out_features: int, dense_cost_flops: float,
+                     open_group: bool = False) -> bool:
+    """Gram norm (`2T²(in+out)` flops, plus the `S_g` GEMM's `2T·in·out` while the group stays open)
+    vs materialising `G_j` (`in·out` elements, memory-bound)."""
+    gram = 2.0 * length * length * (in_features + out_features)
+    if open_group:
+        gram += 2.0 * length * in_features * out_features
+    return gram <= dense_cost_flops * in_features * out_features
 
 
 class _Hooked:
@@ -289,7 +301,8 @@ class LinearHandler(_Hooked):
         for j, (start, end) in enumerate(self._segments):
             if end == start:
                 continue
-            cheap = _gram_is_cheaper(end - start, in_features, out_features, state.dense_cost_flops)
+            cheap = _gram_is_cheaper(end - start, in_features, out_features, state.dense_cost_flops,
+                                     state.group_open(j))
             (self._gram if cheap else dense).append(j)
         if self._gram:
             segments = tuple(self._segments[j] for j in self._gram)

@@ -76,10 +76,25 @@ def sum_sq_norm(params: Sequence[nn.Parameter], grads: Sequence[Tensor]) -> Tens
     return squared_sum(grads, params[0].device if params else None)
 
 
-DENSE_COST_FLOPS = {"cpu": 64.0, "cuda": 2048.0}
+DENSE_COST_FLOPS: dict[tuple[str, torch.dtype | None], float] = {
+    ("cpu", None): 64.0,
+    ("cpu", torch.bfloat16): 1024.0,
+    ("cuda", None): 2048.0,
+}
 """Default price, in GEMM flops, of one element of the memory-bound passes (norm + two axpys)
 that materialising a per-trajectory weight gradient costs; decides Gram vs dense per layer.
-CPU: ~0.5 ns/element at ~130 GFLOP/s (measured, 2 cores); GPU: HBM bandwidth vs tensor cores."""
+Keyed by (device type, autocast dtype; None: the weights' dtype). CPU fp32: ~0.5 ns/element at
+~130 GFLOP/s (measured, 2 cores). CPU bf16: the Gram products run at the bf16 GEMM's speed (~6×
+fp32's with AMX) while the memory passes do not get faster; 1024 was the best of 64–∞ at the
+default run's shape (docs/results.md, issue #19). GPU: HBM bandwidth vs tensor cores."""
+
+
+def default_dense_cost_flops(device: torch.device, autocast_dtype: torch.dtype | None) -> float:
+    """`DENSE_COST_FLOPS` for this device and compute dtype (the device's fp32 price, else 2048)."""
+    key = (device.type, autocast_dtype)
+    if key in DENSE_COST_FLOPS:
+        return DENSE_COST_FLOPS[key]
+    return DENSE_COST_FLOPS.get((device.type, None), 2048.0)
 
 
 @dataclass(frozen=True)
@@ -172,23 +187,22 @@ def accumulate_opob_grad_packed(
 
     `microbatches` (on the model device) hold each of the `B` trajectories once;
     `reward_coefs`/`baseline_coefs`: (B,) `a_i`/`s_i`, indexed by `trajectory_indices`.
-    `dense_cost_flops` overrides `DENSE_COST_FLOPS` for the model's device type. `autocast_dtype`: run
-    the forwards under autocast in that dtype (weight gradients are then taken in it, as autograd's
-    would be, and accumulated in the weights' dtype; norms are summed in fp32). `temperature`: the
-    behaviour policy's sampling temperature T — ℓ_i is of softmax(logits / T), as in the proximal pass
-    whose log-probs make the IS weights. `coefficients_from_logprobs(m, log_probs)`: when given, micro-
-    batch `m`'s `a_j`, `s_j` come from it, called with the log-probs of that micro-batch's own forward
-    (detached) before its backward — the coefficient tensors passed in are then only placeholders
-    (zeros); the callback keeps the log-probs it needs (`learner.proximal: reuse`). Raises
-    `UnsupportedParameterError` (naming them) if some trainable parameter has no hook. Hooks
-    and `requires_grad` flags are always restored; after an exception `.grad` is partial.
+    `dense_cost_flops` overrides `DENSE_COST_FLOPS` for the model's device and compute dtype.
+    `autocast_dtype`: run the forwards under autocast in that dtype (weight gradients are then taken in
+    it, as autograd's would be, and accumulated in the weights' dtype; norms are summed in fp32).
+    `temperature`: the behaviour policy's sampling temperature T — ℓ_i is of softmax(logits / T), as in
+    the proximal pass whose log-probs make the IS weights. `coefficients_from_logprobs(m, log_probs)`:
+    when given, micro-batch `m`'s `a_j`, `s_j` come from it, called with the log-probs of that
+    micro-batch's own forward (detached) before its backward — the coefficient tensors passed in are then
+    only placeholders (zeros); the callback keeps the log-probs it needs (`learner.proximal: reuse`).
+    Raises `UnsupportedParameterError` (naming them) if some trainable parameter has no hook. Hooks and
+    `requires_grad` flags are always restored; after an exception `.grad` is partial.
     """
     num_trajectories = _check_coefs(reward_coefs, baseline_coefs)
     schedule = _GroupSchedule.build(microbatches, reward_coefs, baseline_coefs)
     hooks = PackedGradHooks(model, autocast_dtype, temperature)
-    cost = (
-        dense_cost_flops if dense_cost_flops is not None else DENSE_COST_FLOPS.get(hooks.device.type, 2048.0)
-    )
+    cost = (dense_cost_flops if dense_cost_flops is not None
+            else default_dense_cost_flops(hooks.device, autocast_dtype))
     sq_norms = torch.zeros(num_trajectories, dtype=torch.float32, device=hooks.device)
     buffers, baselines = GroupBuffers(), {}
     with hooks:
@@ -201,6 +215,7 @@ def accumulate_opob_grad_packed(
                 buffers=buffers,
                 dense_cost_flops=cost,
                 vocab_size=hooks.vocab_size,
+                closing_groups=frozenset(schedule.closing_after(m)),
             )
             after_forward = None
             if coefficients_from_logprobs is not None:

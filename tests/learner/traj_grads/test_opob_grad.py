@@ -10,12 +10,16 @@ from torch import Tensor, nn
 
 from learner.forward.packing import TrajectoryTokens, build_microbatch, pack_trajectories
 from learner.forward.varlen_attention import register_varlen_sdpa
+from learner.traj_grads import handlers
+from learner.traj_grads.handlers import _gram_is_cheaper
 from learner.traj_grads.hooks import UnsupportedParameterError
 from learner.traj_grads.opob_grad import (
+    DENSE_COST_FLOPS,
     BaselineFn,
     OpobGradResult,
     accumulate_opob_grad_packed,
     accumulate_opob_grad_per_trajectory,
+    default_dense_cost_flops,
 )
 from learner.traj_grads.reference import reference_opob_gradient
 from tests.learner.conftest import tiny_model
@@ -88,6 +92,43 @@ def test_packed_path_is_exact_for_both_weight_norm_methods(
     # weight gradient until b* is known and needs none.
     result = _run("packed", model, trajectories, max_tokens=10_000, dense_cost_flops=dense_cost_flops)
     assert result.max_open_groups == buffers_needed
+    _assert_matches_reference(model, result, trajectories)
+
+
+def test_open_groups_price_the_gram_route_s_extra_gemm() -> None:
+    # An MLP projection (576 → 1536) at T = 300 under the CPU bf16 price: Gram for a closing group
+    # (0.38 of the dense price); for a group still open, the S_g product (2·T·in·out) tips it to the
+    # dense route (1.006 of it).
+    assert _gram_is_cheaper(300, 576, 1536, 1024.0, open_group=False)
+    assert not _gram_is_cheaper(300, 576, 1536, 1024.0, open_group=True)
+    assert _gram_is_cheaper(240, 576, 1536, math.inf, open_group=True)
+    assert not _gram_is_cheaper(1, 576, 1536, 0.0, open_group=False)
+
+
+def test_default_dense_price_follows_the_compute_dtype() -> None:
+    cpu = torch.device("cpu")
+    assert default_dense_cost_flops(cpu, None) == DENSE_COST_FLOPS[("cpu", None)]
+    assert default_dense_cost_flops(cpu, torch.bfloat16) > default_dense_cost_flops(cpu, None)
+    assert default_dense_cost_flops(cpu, torch.float16) == DENSE_COST_FLOPS[("cpu", None)]
+    assert default_dense_cost_flops(torch.device("meta"), None) == 2048.0
+
+
+def test_mixed_routes_with_open_and_closing_groups_are_exact(
+    trajectories: list[TrajectoryTokens], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Groups split over 50-token micro-batches at a price where open-group trajectories go dense and
+    closing ones Gram, in the same micro-batches and layers: still the reference gradient."""
+    decisions = []
+
+    def spy(length: int, in_features: int, out_features: int, cost: float, open_group: bool = False) -> bool:
+        cheap = _gram_is_cheaper(length, in_features, out_features, cost, open_group)
+        decisions.append((open_group, cheap))
+        return cheap
+
+    monkeypatch.setattr(handlers, "_gram_is_cheaper", spy)
+    model = tiny_model("llama_tied")
+    result = _run("packed", model, trajectories, max_tokens=50, dense_cost_flops=48.0)
+    assert (True, False) in decisions and (False, True) in decisions  # both routes were taken
     _assert_matches_reference(model, result, trajectories)
 
 
