@@ -97,8 +97,9 @@ def _build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(handler=_plot)
 
     trend = commands.add_parser("trend", help="is a run learning? per-block reward and success rate, and the "
-                                              "success-rate trend with a bootstrap CI (JSON)")
-    trend.add_argument("run_dir", type=Path)
+                                              "success-rate trend with a bootstrap CI (JSON); several runs "
+                                              "(seeds): each one's, and their pooled trend")
+    trend.add_argument("run_dirs", type=Path, nargs="+", metavar="run_dir")
     trend.add_argument("--block", type=int, default=10, help="steps per block (default 10)")
     trend.add_argument("--success", type=float, default=1.0,
                        help="an episode succeeds when its reward is at least this (default 1.0)")
@@ -142,10 +143,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _trend(args: argparse.Namespace) -> int:
-    from learner.observability.trend import TrendError, reward_trend
+    from learner.observability.trend import TrendError, pooled_trend, reward_trend
 
+    options = {"block": args.block, "success": args.success, "resamples": args.resamples}
     try:
-        result = reward_trend(args.run_dir, block=args.block, success=args.success, resamples=args.resamples)
+        if len(args.run_dirs) == 1:
+            result = reward_trend(args.run_dirs[0], **options)
+        else:
+            result = pooled_trend(args.run_dirs, **options)
     except (TrendError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

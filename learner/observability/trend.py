@@ -7,6 +7,12 @@ the least-squares slope of the per-episode success indicator against the step, s
 of the success rate over 100 steps (0.09 = +9 points), with a percentile bootstrap interval that
 resamples whole steps (the episodes of one step share a policy and prompts: not independent draws).
 
+With several run directories (seeds of one configuration), `pooled_trend` adds the mean of the runs'
+slopes, each run weighing the same, with a stratified bootstrap: every resample draws each run's steps
+from that run only and averages the runs' slopes. It answers "did these runs rise on average more than
+their step-to-step noise explains", not "would a new seed rise": with a handful of seeds the spread
+between seeds cannot be estimated, so the per-run slopes are reported beside the pooled one.
+
 What it does not do: read metrics.jsonl, plot (`vcpo plot` does), or decide anything: an interval that
 excludes 0 says the success rate rose over the run more than step-to-step noise explains, nothing more.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +68,32 @@ def _slope(points: list[tuple[int, float]]) -> float:
     return sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
 
 
+def _hits(steps: dict[int, list[float]], success: float) -> dict[int, list[float]]:
+    return {step: [1.0 if r >= success else 0.0 for r in rewards] for step, rewards in steps.items()}
+
+
+def _change_per_100_steps(hits: dict[int, list[float]], sample: list[int]) -> float:
+    return 100.0 * _slope([(step, h) for step in sample for h in hits[step]])
+
+
+def _interval(boots: list[float]) -> list[float]:
+    boots = sorted(boots)
+    count = len(boots)
+    return [round(boots[int(0.025 * (count - 1))], 4), round(boots[int(0.975 * (count - 1))], 4)]
+
+
+def _check(block: int, resamples: int) -> None:
+    if block < 1 or resamples < 1:
+        raise ValueError(f"block and resamples must be ≥ 1 (got block={block}, resamples={resamples})")
+
+
 def reward_trend(run_dir: Path, *, block: int = 10, success: float = 1.0, resamples: int = 2000,
                  seed: int = 0) -> dict[str, Any]:
     """The block table and the success-rate trend of `run_dir` (see the module docstring), JSON-able."""
-    if block < 1 or resamples < 1:
-        raise ValueError(f"block and resamples must be ≥ 1 (got block={block}, resamples={resamples})")
+    _check(block, resamples)
     steps = read_step_rewards(run_dir)
     order = sorted(steps)
-    hits = {step: [1.0 if r >= success else 0.0 for r in rewards] for step, rewards in steps.items()}
+    hits = _hits(steps, success)
     blocks = []
     for first in range(0, len(order), block):
         members = order[first: first + block]
@@ -77,17 +102,41 @@ def reward_trend(run_dir: Path, *, block: int = 10, success: float = 1.0, resamp
         blocks.append({"steps": [members[0], members[-1]], "episodes": len(rewards),
                        "reward_mean": round(sum(rewards) / len(rewards), 4), "successes": int(wins),
                        "success_rate": round(wins / len(rewards), 4)})
-
-    def slope_of(sample: list[int]) -> float:
-        return 100.0 * _slope([(step, h) for step in sample for h in hits[step]])
-
     rng = random.Random(seed)
-    boots = sorted(slope_of([rng.choice(order) for _ in order]) for _ in range(resamples))
-    low, high = boots[int(0.025 * (resamples - 1))], boots[int(0.975 * (resamples - 1))]
+    boots = [_change_per_100_steps(hits, [rng.choice(order) for _ in order]) for _ in range(resamples)]
     return {
         "run_dir": str(run_dir), "steps": len(order), "episodes": sum(len(v) for v in steps.values()),
         "success_threshold": success, "block": block, "blocks": blocks,
         "first_block": blocks[0], "last_block": blocks[-1],
-        "success_rate_change_per_100_steps": round(slope_of(order), 4),
-        "ci95_change_per_100_steps": [round(low, 4), round(high, 4)], "bootstrap_resamples": resamples,
+        "success_rate_change_per_100_steps": round(_change_per_100_steps(hits, order), 4),
+        "ci95_change_per_100_steps": _interval(boots), "bootstrap_resamples": resamples,
+    }
+
+
+def pooled_trend(run_dirs: Sequence[Path], *, block: int = 10, success: float = 1.0, resamples: int = 2000,
+                 seed: int = 0) -> dict[str, Any]:
+    """Each run's `reward_trend` and the seed-pooled trend of all of them (module docstring), JSON-able."""
+    if len(run_dirs) < 2:
+        raise ValueError(f"pooling needs at least two run directories (got {len(run_dirs)})")
+    _check(block, resamples)
+    runs = [reward_trend(run_dir, block=block, success=success, resamples=resamples, seed=seed)
+            for run_dir in run_dirs]
+    hits = [_hits(read_step_rewards(run_dir), success) for run_dir in run_dirs]
+    orders = [sorted(run_hits) for run_hits in hits]
+    rng = random.Random(seed)
+    boots = [
+        sum(_change_per_100_steps(run_hits, [rng.choice(order) for _ in order])
+            for run_hits, order in zip(hits, orders, strict=True)) / len(hits)
+        for _ in range(resamples)
+    ]
+    changes = [run["success_rate_change_per_100_steps"] for run in runs]
+    return {
+        "runs": runs,
+        "pooled": {
+            "run_dirs": [str(run_dir) for run_dir in run_dirs], "success_threshold": success,
+            "per_run_change_per_100_steps": changes,
+            "success_rate_change_per_100_steps": round(sum(changes) / len(changes), 4),
+            "ci95_change_per_100_steps": _interval(boots), "bootstrap_resamples": resamples,
+            "resampling": "steps within each run; the runs (seeds) are fixed, each weighing the same",
+        },
     }

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from learner.cli import main
-from learner.observability.trend import TrendError, reward_trend
+from learner.observability.trend import TrendError, pooled_trend, reward_trend
 
 
 def _write_run(run_dir: Path, successes_per_step: list[int], per_step: int = 8, torn: bool = False) -> Path:
@@ -58,3 +58,38 @@ def test_cli_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     result = json.loads(capsys.readouterr().out)
     assert [b["successes"] for b in result["blocks"]] == [1, 5]
     assert main(["trend", str(tmp_path / "nowhere")]) == 2
+
+
+def test_pooled_trend_averages_the_runs_and_narrows_the_interval(tmp_path: Path) -> None:
+    # Two seeds with the same weak rise under different noise: each interval spans 0, the pooled one is
+    # narrower (twice the steps) and its centre is the mean of the two slopes.
+    noise_a = [1, 3, 0, 2, 3, 1, 0, 2, 1, 3, 2, 0, 3, 1, 2, 0] * 2
+    noise_b = [2, 0, 3, 1, 0, 2, 3, 1, 2, 1, 0, 3, 1, 2, 0, 3] * 2
+    rise = [step // 11 for step in range(32)]  # +0, +1, +2 successes of 8 over three thirds of the run
+    runs = [_write_run(tmp_path / name, [n + r for n, r in zip(noise, rise, strict=True)])
+            for name, noise in (("a", noise_a), ("b", noise_b))]
+    result = pooled_trend(runs, resamples=600)
+    singles = [reward_trend(run, resamples=600) for run in runs]
+    assert [r["success_rate_change_per_100_steps"] for r in result["runs"]] == [
+        s["success_rate_change_per_100_steps"] for s in singles]
+    pooled = result["pooled"]
+    changes = pooled["per_run_change_per_100_steps"]
+    assert pooled["success_rate_change_per_100_steps"] == pytest.approx(sum(changes) / 2, abs=1e-4)
+    widths = [s["ci95_change_per_100_steps"][1] - s["ci95_change_per_100_steps"][0] for s in singles]
+    low, high = pooled["ci95_change_per_100_steps"]
+    assert low < pooled["success_rate_change_per_100_steps"] < high
+    assert high - low < min(widths)
+
+
+def test_pooling_needs_two_runs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least two run directories"):
+        pooled_trend([_write_run(tmp_path / "run", [0, 1])])
+
+
+def test_cli_pools_several_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first, second = _write_run(tmp_path / "a", [0, 1, 2, 3]), _write_run(tmp_path / "b", [3, 2, 1, 0])
+    assert main(["trend", str(first), str(second), "--resamples", "50"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["pooled"]["per_run_change_per_100_steps"] == [pytest.approx(12.5), pytest.approx(-12.5)]
+    assert result["pooled"]["success_rate_change_per_100_steps"] == pytest.approx(0.0)
+    assert main(["trend", str(first), str(tmp_path / "nowhere")]) == 2
