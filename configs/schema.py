@@ -489,7 +489,7 @@ class StalenessBenchConfig(StrictModel):
 class LearnerBenchConfig(StrictModel):
     """`vcpo bench learner` (learner/benchmarks/learner_step.py): optimizer steps of each learner backend
     on one random minibatch of a random model, by default the default run's step (SmolLM2-135M's shape,
-    2 groups × 8 trajectories of 300 tokens with a shared 152-token prompt and 70 sampled tokens, 2048-
+    2 groups × 8 trajectories of 240 tokens with a shared 150-token prompt and 70 sampled tokens, 2048-
     token micro-batches, VCPO with fast norms). Reports step time and its phases, tokens/s, peak memory,
     model FLOPs/s and their fraction of the matmul peak of the learner's dtype, measured in the same run
     (a large GEMM), and each backend's speed relative to the torch learner."""
@@ -528,10 +528,10 @@ class LearnerBenchConfig(StrictModel):
     """Groups in the minibatch (the default run: 2 prompts per step)."""
     group_size: int = Field(8, ge=2)
     """Trajectories per group (the default run: 8)."""
-    tokens: int = Field(300, ge=2)
+    tokens: int = Field(240, ge=2)
     """Tokens per trajectory (the default run's warm-started episodes: ~300)."""
-    prompt: int = Field(152, ge=0)
-    """Leading tokens shared by a group's trajectories, as a prompt is (the default run: 152)."""
+    prompt: int = Field(150, ge=0)
+    """Leading tokens shared by a group's trajectories, as a prompt is (the default run: 148–152)."""
     sampled: int = Field(70, ge=1)
     """Trained (sampled) tokens at the end of each trajectory (the default run: ~70)."""
     micro_batch_tokens: int = Field(2048, ge=1)

@@ -4,7 +4,7 @@ of the matmul peak measured in the same run, for the torch and megatron learners
 `bench_learner` builds a random Llama/Qwen2-shaped checkpoint (`BenchShape`), one random minibatch of
 groups (`BenchBatch`: each group's trajectories share their first `prompt` tokens, as a prompt is),
 and times `steps` optimizer steps after `warmup` untimed ones, returning a JSON-able dict. The
-defaults are the default run's step (SmolLM2-135M, 2 × 8 trajectories of 300 tokens, 70 sampled).
+defaults are the default run's step (SmolLM2-135M, 2 × 8 trajectories of 240 tokens, 70 sampled).
 
 Model FLOPs (`model_flops`) are what one training step of the objective needs, whatever the
 implementation: forward + backward (6 FLOPs per parameter per token) of every linear layer of the
@@ -67,7 +67,7 @@ class BenchBatch:
 
     groups: int = 2
     group_size: int = 8
-    tokens: int = 300
+    tokens: int = 240
     sampled: int = 70
     prompt: int = 0
 

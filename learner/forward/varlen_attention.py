@@ -102,20 +102,24 @@ def varlen_sdpa_attention(
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # HF's repeat_kv order: each KV head serves `groups` consecutive query heads
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    segments = attention_segments(position_ids)
+    # Split, not slice: the backward of a split is one concatenation of the segments' gradients, while
+    # every slice's backward fills a zero tensor of the whole row and adds it in (per segment, per layer).
+    lengths = [segment.end - segment.start for segment in segments]
+    queries, keys, values = (t.split(lengths, dim=2) for t in (query, key, value))
+    index_of = {segment.start: i for i, segment in enumerate(segments)}
     outputs = []
-    for segment in attention_segments(position_ids):
-        start, end = segment.start, segment.end
+    for i, segment in enumerate(segments):
         if segment.prefix == 0:
             outputs.append(F.scaled_dot_product_attention(
-                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                dropout_p=dropout, is_causal=True, scale=scaling))
+                queries[i], keys[i], values[i], dropout_p=dropout, is_causal=True, scale=scaling))
             continue
-        shared = slice(segment.root, segment.root + segment.prefix)
+        root = index_of[segment.root]
         outputs.append(F.scaled_dot_product_attention(
-            query[:, :, start:end],
-            torch.cat([key[:, :, shared], key[:, :, start:end]], dim=2),
-            torch.cat([value[:, :, shared], value[:, :, start:end]], dim=2),
-            attn_mask=_branch_mask(end - start, segment.prefix, query.device),
+            queries[i],
+            torch.cat([keys[root][:, :, :segment.prefix], keys[i]], dim=2),
+            torch.cat([values[root][:, :, :segment.prefix], values[i]], dim=2),
+            attn_mask=_branch_mask(lengths[i], segment.prefix, query.device),
             dropout_p=dropout, scale=scaling))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
