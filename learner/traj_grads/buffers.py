@@ -20,12 +20,22 @@ def grad_of(param: nn.Parameter) -> Tensor:
     return param.grad
 
 
+def _scaled_copy(update: Tensor, param: nn.Parameter, alpha: float) -> Tensor:
+    """A new tensor `alpha · update` in the parameter's dtype (never `update` itself: callers reuse it)."""
+    if alpha == 1.0:
+        return update.to(param.dtype, copy=True)
+    return update.to(param.dtype) * alpha
+
+
 def add_to_grad(param: nn.Parameter, update: Tensor, alpha: float = 1.0) -> None:
-    """`param.grad += alpha · update`; a first contribution is written directly (no zero fill)."""
+    """`param.grad += alpha · update`; a first contribution is written directly (no zero fill).
+
+    A bf16 `update` is added to the fp32 gradient as it is read (the in-place add promotes it):
+    the same sums as casting it first, without a gradient-sized temporary."""
     if param.grad is None:
-        param.grad = update.to(param.dtype) * alpha
+        param.grad = _scaled_copy(update, param, alpha)
     else:
-        param.grad.add_(update.to(param.grad.dtype), alpha=alpha)
+        param.grad.add_(update, alpha=alpha)
 
 
 class GroupBuffers:
@@ -49,9 +59,9 @@ class GroupBuffers:
         group = self._buffers.setdefault(group_id, {})
         self.max_open_groups = max(self.max_open_groups, len(self._buffers))
         if param in group:
-            group[param].add_(update.to(group[param].dtype), alpha=alpha)
+            group[param].add_(update, alpha=alpha)  # promoted as read, as in add_to_grad
         else:
-            group[param] = update.to(param.dtype) * alpha
+            group[param] = _scaled_copy(update, param, alpha)
 
     def pop(self, group_id: int) -> dict[nn.Parameter, Tensor]:
         """Remove and return group `group_id`'s buffers (empty when it never needed one)."""

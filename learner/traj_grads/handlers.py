@@ -376,8 +376,9 @@ class LinearHandler(_Hooked):
             x = x * row_coefs
         dtype = self.weight.dtype if target is None else target.dtype
         if delta.dtype != dtype:  # autocast: the GEMM in the compute dtype, accumulated in the weight's
-            product = torch.mm(delta.T, x.to(delta.dtype)).to(dtype)
-            return product if target is None else target.add_(product)
+            product = torch.mm(delta.T, x.to(delta.dtype))
+            # The in-place add promotes the product as it reads it: no weight-sized fp32 temporary.
+            return product.to(dtype) if target is None else target.add_(product)
         if target is None:
             return torch.mm(delta.T, x.to(dtype))
         return target.addmm_(delta.T, x.to(dtype))
