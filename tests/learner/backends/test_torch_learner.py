@@ -313,6 +313,33 @@ def test_lr_schedule_warms_up_then_decays() -> None:
     assert [lr_at(optim, s) for s in range(6)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
 
 
+def test_the_fused_adamw_takes_torchs_default_step_and_stays_fused_after_a_resume() -> None:
+    """The learner's AdamW is the fused one on CPU (issue #19: half the optimizer phase); its update is the
+    per-parameter loop's up to fp32 rounding, and a checkpoint written by a non-fused optimizer (runs
+    before the change) resumes into the fused one with the same state."""
+    tokens = random_trajectories(num_groups=2, per_group=3, seed=5)
+    trajectories, groups = _as_trajectories(tokens, seed=6)
+    batch = StepInput(trajectories, groups, [1] * 6, [True] * 6)
+    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo"}, "group_size": 3})
+    fused, looped = _learner(algo), _learner(algo)
+    assert all(group["fused"] for group in fused.optimizer.param_groups)
+    optim = looped.optim_config
+    looped.optimizer = torch.optim.AdamW(looped.model.parameters(), lr=optim.lr, betas=optim.betas,  # a loop
+                                         eps=optim.eps, weight_decay=optim.weight_decay)
+    for _ in range(3):
+        fused.step(batch)
+        looped.step(batch)
+    for a, b in zip(fused.model.parameters(), looped.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    resumed = _learner(algo)
+    resumed.load_state_dict(looped.state_dict())
+    assert all(group["fused"] and not group["foreach"] for group in resumed.optimizer.param_groups)
+    resumed.step(batch)
+    looped.step(batch)
+    for a, b in zip(resumed.model.parameters(), looped.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("dtype", "autocast"), [(torch.float32, None), (torch.bfloat16, None),
                                                (torch.float32, torch.bfloat16)])
