@@ -1,14 +1,24 @@
 """Time the default run's RL step at two commits on this machine, back to back (issue #19's "≤ 0.4×").
 
-    .venv/bin/python scripts/compare_default_steps.py --before <rev> [--steps 6] [--model DIR] [-- a.b=c ...]
+    .venv/bin/python scripts/compare_default_steps.py --before <rev> [--steps 8] [--model DIR]
+        [--after-set a.b=c ...] [a.b=c ...]
 
 Checks `<rev>` out into a temporary git worktree and runs `vcpo train configs/default.yaml` there and in
 this checkout, one after the other, with the same seed, data order and starting weights — both from
 `--model` (default: this checkout's cached warm start of the default config, trained first if
-missing), with `warm_start.enabled=false`, so only the RL steps differ. Prints one JSON object: per
-side the step times (`time/step`, `time/train`, `time/generate`) of steps 2..N (step 1 includes the
-engine's first fill of the pipeline) and their medians, and the ratio after/before of the median
-step. Hosts differ and memory bandwidth swings: compare only the two numbers of one invocation.
+missing), with `warm_start.enabled=false`, so only the RL steps differ. Positional `a.b=c` overrides go
+to both sides; `--after-set a.b=c` (repeatable) only to this checkout's run (e.g. an opt-in that changes
+numerics, timed against the same `before`).
+
+Prints one JSON object: per side the step times (`time/step`, `time/train`, `time/generate`) and the
+process CPU-seconds (`time/cpu`, tool-call children included) of steps 2..N (step 1 includes the
+engine's first fill of the pipeline), their medians, and the medians over the steps with generation
+alongside and over the last steps without it (the learner alone); then the ratio after/before of the
+median step. Where the CPU goes: on a machine whose cores the engine and the learner share, a step
+cannot be shorter than its CPU-seconds over the cores, so `cpu_floor_s` (median CPU-seconds of the steps
+with generation ÷ cores) and `generation_cpu_s` (that median minus the learner-alone median) say how much
+of a step is work that overlap cannot hide. Hosts differ and memory bandwidth swings: compare only the
+numbers of one invocation.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv" / "bin" / "python"
+KEYS = ("step", "train", "generate", "cpu")
 
 
 def _run(tree: Path, run_dir: Path, model: str, steps: int, extra: list[str]) -> dict[str, list[float]]:
@@ -33,8 +44,24 @@ def _run(tree: Path, run_dir: Path, model: str, steps: int, extra: list[str]) ->
                f"trainer.total_steps={steps}", "--no-progress", *extra]
     subprocess.run(command, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {key: [float(r.get(f"time/{key}") or 0.0) for r in records[1:]]
-            for key in ("step", "train", "generate")}
+    return {key: [float(r.get(f"time/{key}") or 0.0) for r in records[1:]] for key in KEYS}
+
+
+def _summary(times: dict[str, list[float]], cores: int) -> dict[str, object]:
+    """Medians over all timed steps, over those with generation alongside and over the learner-alone ones."""
+    out: dict[str, object] = {**times, **{f"median_{k}_s": statistics.median(v) for k, v in times.items()}}
+    overlapped = [i for i, g in enumerate(times["generate"]) if g > 0]
+    alone = [i for i, g in enumerate(times["generate"]) if g == 0]
+    for name, rows in (("with_generation", overlapped), ("learner_alone", alone)):
+        if rows:
+            out[name] = {f"median_{key}_s": statistics.median(times[key][i] for i in rows)
+                         for key in ("step", "cpu")}
+    if overlapped:
+        cpu = statistics.median(times["cpu"][i] for i in overlapped)
+        out["cpu_floor_s"] = cpu / cores
+        if alone:
+            out["generation_cpu_s"] = cpu - statistics.median(times["cpu"][i] for i in alone)
+    return out
 
 
 def _warm_start_model() -> str:
@@ -58,19 +85,23 @@ def main() -> int:
     parser.add_argument("--before", required=True, help="the commit to compare this checkout with")
     parser.add_argument("--steps", type=int, default=6, help="RL steps per side (the first is not timed)")
     parser.add_argument("--model", default=None, help="starting weights (default: the cached warm start)")
+    parser.add_argument("--after-set", action="append", default=[], metavar="A.B=C",
+                        help="an override for this checkout's run only (repeatable)")
     parser.add_argument("overrides", nargs="*", help="a.b.c=value overrides for both sides")
     args = parser.parse_args()
     model = args.model or _warm_start_model()
-    result: dict[str, object] = {"before": args.before, "after": "working tree", "model": model,
-                                 "steps_timed": args.steps - 1}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    result: dict[str, object] = {"before": args.before, "after": "working tree", "after_only": args.after_set,
+                                 "model": model, "steps_timed": args.steps - 1, "cores": cores}
     with tempfile.TemporaryDirectory(prefix="vcpo-compare-") as tmp:
         before_tree = Path(tmp) / "before"
         subprocess.run(["git", "worktree", "add", "--detach", str(before_tree), args.before], cwd=ROOT,
                        check=True, capture_output=True)
         try:
-            for side, tree in (("before", before_tree), ("after", ROOT)):
-                times = _run(tree, Path(tmp) / f"run-{side}", model, args.steps, args.overrides)
-                result[side] = {**times, **{f"median_{k}_s": statistics.median(v) for k, v in times.items()}}
+            for side, tree, extra in (("before", before_tree, args.overrides),
+                                      ("after", ROOT, [*args.overrides, *args.after_set])):
+                times = _run(tree, Path(tmp) / f"run-{side}", model, args.steps, extra)
+                result[side] = _summary(times, cores)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before_tree)], cwd=ROOT,
                            check=False, capture_output=True)
