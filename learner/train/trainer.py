@@ -53,6 +53,7 @@ from learner.train.checkpointing import (
 from rollout.base import InferenceEngine
 from rollout.errors import EngineUnavailable
 from rollout.manager import GroupTicket, RolloutManager, RunGroup, WeightTarget
+from rollout.openmp import release_openmp_threads
 from rollout.progress import SAMPLED_TOKENS
 from rollout.trajectory import Trajectory
 from tools.base import Tool, ToolUnavailableError
@@ -319,11 +320,14 @@ def process_cpu_seconds() -> float:
 
 def _step_and_trim(learner: Learner, batch: StepInput) -> dict[str, Any]:
     """One learner step, then hand freed heap pages back to the OS (glibc `malloc_trim`; a no-op
-    elsewhere): a step's transient activations are GBs the engine may need before the next step."""
+    elsewhere): a step's transient activations are GBs the engine may need before the next step; and end
+    this thread's docked OpenMP team, which would throttle the engine's while the learner waits
+    (rollout/openmp.py)."""
     try:
         return learner.step(batch)
     finally:
         _malloc_trim()
+        release_openmp_threads()
 
 
 def _malloc_trim() -> None:
@@ -417,6 +421,9 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
             for step in range(start_step, trainer.total_steps):
                 if live is not None:
                     live.begin(step + 1, "rollouts")
+                # This (event-loop) thread's OpenMP team — from loading or warm-starting the model, or
+                # any tensor work here — idles from now on: end it (rollout/openmp.py).
+                release_openmp_threads()
                 waited = time.perf_counter()
                 groups = await manager.next_batch()
                 idle_learner = time.perf_counter() - waited

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from rollout.errors import EngineError, EngineOOM, EngineTimeout, EngineUnavailable, InvalidRequest
+from rollout.openmp import release_openmp_threads
 from rollout.progress import GenerationProgress
 from rollout.types import FinishReason, GenerationResult
 
@@ -81,6 +82,9 @@ class StepRuntime:
             while not self.is_closing:
                 if not has_work():
                     self._wakeup.clear()
+                    # Idle: the worker thread's docked OpenMP team would only slow whoever computes
+                    # meanwhile (the learner; rollout/openmp.py). A wake-up during this call is kept.
+                    await self.call(release_openmp_threads)
                     await self._wakeup.wait()
                     if idle_window_s and not self.is_closing:
                         await asyncio.sleep(idle_window_s)
@@ -110,6 +114,7 @@ class StepRuntime:
             yield
         finally:
             self.step_lock.release()
+            self.wake()  # what ran inside (a weight load) may have started a team; an idle scheduler ends it
 
     async def pause(self) -> None:
         self._is_running.clear()

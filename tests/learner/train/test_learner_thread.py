@@ -1,0 +1,50 @@
+"""The trainer's learner thread ends its OpenMP team after every step (learner/train/trainer.py
+`_step_and_trim`, rollout/openmp.py): an engine generating while the learner waits is not throttled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+_PROBE = textwrap.dedent("""
+    import json, os
+    from concurrent.futures import ThreadPoolExecutor
+    import torch
+    from learner.train.trainer import _step_and_trim
+
+    torch.set_num_threads(2)
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    class Learner:  # a step that runs parallel regions on the learner thread
+        def step(self, batch):
+            total = float(torch.arange(4_000_000, dtype=torch.float64).sum())
+            return {"total": total, "threads_in_step": threads()}
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(lambda: None).result()
+        idle = threads()
+        metrics = pool.submit(_step_and_trim, Learner(), None).result()
+        after = threads()
+    print(json.dumps({"idle": idle, "in_step": metrics["threads_in_step"], "after": after}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task (Linux only)")
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="an OpenMP team needs 2 CPUs; this machine has 1")
+def test_the_learner_thread_ends_its_team_after_a_step() -> None:
+    done = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["in_step"] == out["idle"] + 1
+    assert out["after"] == out["idle"]
