@@ -37,7 +37,7 @@ try:
 except ImportError:
     allocator = "glibc (this checkout predates the allocator choice)"
 else:
-    prefer_tcmalloc(["vcpo", "bench"])  # re-executes this process on tcmalloc where `vcpo bench` would
+    prefer_tcmalloc(["bench"])  # re-executes this process on tcmalloc where `vcpo bench` would
     from learner.launch.allocator import active_allocator
     allocator = active_allocator()
 import torch

@@ -14,6 +14,10 @@ The most overlap can give (`overlap_bound`, from the k = 0 run): with the same w
 schedule beats its CPU-seconds ÷ cores, so at most 1 / utilisation (the k = 0 run's CPU-seconds,
 `time/cpu`, over wall × cores); and with the two sides fully overlapped at most
 (generate + train) / max(generate, train). The bound is the smaller; `gap` = bound ÷ measured speedup.
+The first is only as good as "the same CPU work": CPU-seconds include OpenMP workers spinning between
+parallel regions (up to ~300,000 iterations each while a process's teams fit its cores), and overlap turns
+part of that spin into work, so a measured speedup can pass `by_cores` (`gap` < 1). Issue #19 measured
+it on 2 cores: 141 CPU-seconds at k = 0, 102 at k = 4, for the same steps (docs/results.md).
 """
 
 from __future__ import annotations
