@@ -3,15 +3,11 @@ second OpenMP runtime in the process — and a later parallel region works as be
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.openmp_probe import ROOT, needs_an_openmp_team, run_team_probe
 
 _PROBE = textwrap.dedent("""
     import json, os, threading
@@ -43,13 +39,9 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task (Linux only)")
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="an OpenMP team needs 2 CPUs; this machine has 1")
+@needs_an_openmp_team
 def test_a_threads_team_is_ended_and_the_next_region_starts_a_new_one() -> None:
-    done = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert done.returncode == 0, done.stderr
-    out = __import__("json").loads(done.stdout.strip().splitlines()[-1])
+    out = run_team_probe(_PROBE)
     assert out["released"] and out["released_again"]
     assert out["after_release"] == out["with_team"] - 1  # the docked worker joined and exited
     assert out["with_new_team"] == out["with_team"]
@@ -105,15 +97,11 @@ _IDLE_ENGINE_PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task (Linux only)")
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="an OpenMP team needs 2 CPUs; this machine has 1")
+@needs_an_openmp_team
 def test_an_idle_engine_runtime_ends_its_worker_threads_team() -> None:
     """The engines' StepRuntime: once there is no work (and after a boundary such as a weight load), the
     worker thread's OpenMP team is ended, so a learner computing meanwhile is not throttled."""
-    done = subprocess.run([sys.executable, "-c", _IDLE_ENGINE_PROBE], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert done.returncode == 0, done.stderr
-    out = __import__("json").loads(done.stdout.strip().splitlines()[-1])
+    out = run_team_probe(_IDLE_ENGINE_PROBE)
     assert out["inside_boundary"] == out["idle_worker"] + 1  # a team: one more thread
     assert out["after_idle"] == out["idle_worker"]
     assert out["after_boundary"] == out["idle_worker"]

@@ -3,16 +3,9 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.openmp_probe import needs_an_openmp_team, run_team_probe
 
 _PROBE = textwrap.dedent("""
     import json, os
@@ -39,12 +32,8 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task (Linux only)")
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="an OpenMP team needs 2 CPUs; this machine has 1")
+@needs_an_openmp_team
 def test_the_learner_thread_ends_its_team_after_a_step() -> None:
-    done = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_team_probe(_PROBE)
     assert out["in_step"] == out["idle"] + 1
     assert out["after"] == out["idle"]
