@@ -24,12 +24,14 @@ numbers of one invocation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +66,20 @@ def _summary(times: dict[str, list[float]], cores: int) -> dict[str, object]:
     return out
 
 
+@contextlib.contextmanager
+def checkout(rev: str) -> Iterator[Path]:
+    """`rev` checked out in a temporary git worktree of this repository, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="vcpo-checkout-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT, check=True,
+                       capture_output=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False,
+                           capture_output=True)
+
+
 def _warm_start_model() -> str:
     """This checkout's cached warm start of the default config (trained now if it is not cached)."""
     code = ("from pathlib import Path\n"
@@ -93,18 +109,11 @@ def main() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     result: dict[str, object] = {"before": args.before, "after": "working tree", "after_only": args.after_set,
                                  "model": model, "steps_timed": args.steps - 1, "cores": cores}
-    with tempfile.TemporaryDirectory(prefix="vcpo-compare-") as tmp:
-        before_tree = Path(tmp) / "before"
-        subprocess.run(["git", "worktree", "add", "--detach", str(before_tree), args.before], cwd=ROOT,
-                       check=True, capture_output=True)
-        try:
-            for side, tree, extra in (("before", before_tree, args.overrides),
-                                      ("after", ROOT, [*args.overrides, *args.after_set])):
-                times = _run(tree, Path(tmp) / f"run-{side}", model, args.steps, extra)
-                result[side] = _summary(times, cores)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(before_tree)], cwd=ROOT,
-                           check=False, capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="vcpo-compare-") as tmp, checkout(args.before) as before_tree:
+        for side, tree, extra in (("before", before_tree, args.overrides),
+                                  ("after", ROOT, [*args.overrides, *args.after_set])):
+            times = _run(tree, Path(tmp) / f"run-{side}", model, args.steps, extra)
+            result[side] = _summary(times, cores)
     before, after = result["before"], result["after"]
     ratio = after["median_step_s"] / before["median_step_s"]  # type: ignore[index]
     result["step_ratio_after_over_before"] = ratio

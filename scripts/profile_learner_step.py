@@ -21,11 +21,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv" / "bin" / "python"
+sys.path.insert(0, str(ROOT / "scripts"))
+from compare_default_steps import checkout  # noqa: E402  (a sibling script: the shared worktree helper)
 
 # Runs inside each side's checkout; only APIs that exist at both ends of issue #19 (70f0a7c .. now).
 _CHILD = r"""
@@ -112,15 +113,8 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=8)
     args = parser.parse_args()
     result: dict[str, object] = {"before": args.before, "after": "working tree", "backend": args.backend}
-    with tempfile.TemporaryDirectory(prefix="vcpo-profile-") as tmp:
-        before_tree = Path(tmp) / "before"
-        subprocess.run(["git", "worktree", "add", "--detach", str(before_tree), args.before], cwd=ROOT,
-                       check=True, capture_output=True)
-        try:
-            result["before_profile"] = _profile(before_tree, args)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(before_tree)], cwd=ROOT,
-                           check=False, capture_output=True)
+    with checkout(args.before) as before_tree:
+        result["before_profile"] = _profile(before_tree, args)
     result["after_profile"] = _profile(ROOT, args)
     result["table"] = _table(result["before_profile"], result["after_profile"])  # type: ignore[arg-type]
     print(json.dumps(result, indent=1))
