@@ -38,13 +38,15 @@ hold several runtimes (sentencepiece bundles its own libgomp), so the one torch 
 torch's library — pausing another runtime would release nothing."""
 
 _pause: functools.partial[int] | None = None
+_unavailable = False
+"""Set once torch's library is loaded and its runtime has no `omp_pause_resource`: no point looking again."""
 
 
 def _pause_function() -> functools.partial[int] | None:
     """`omp_pause_resource(soft, host)` of the OpenMP runtime torch's CPU library uses, or None (looked up
     again next time: torch may not be loaded yet)."""
-    global _pause
-    if _pause is not None:
+    global _pause, _unavailable
+    if _pause is not None or _unavailable:
         return _pause
     try:
         maps = Path("/proc/self/maps").read_text()
@@ -62,6 +64,7 @@ def _pause_function() -> functools.partial[int] | None:
         initial_device.argtypes, initial_device.restype = [], ctypes.c_int
         _pause = functools.partial(pause, OMP_PAUSE_SOFT, initial_device())
         return _pause
+    _unavailable = bool(paths)  # torch loaded without a usable runtime; not loaded yet: look again later
     return None
 
 
