@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.vcpo.helpers import tensor
+from vcpo.groups import index_groups
 from vcpo.objectives import PolicyLossInputs
 from vcpo.registry import OBJECTIVES, make_objective
 
@@ -82,8 +83,9 @@ def test_degenerate_group_members_get_exactly_zero_advantage(name):
 def test_zero_gradient_norms_fall_back_to_the_group_mean_and_are_counted():
     inputs, _ = _hostile_inputs(norms=torch.zeros(9))
     vcpo = make_objective("vcpo")(inputs)
-    # every group with valid members (4) falls back to its mean reward: b* = mean_g → GRPO's advantages
-    assert vcpo.counts.baseline_fallbacks.item() == 4
+    # every group with valid members (4) falls back to its mean reward: b* = mean_g → GRPO's advantages;
+    # counted where b* is used: groups 0 and 3 (groups 1 and 2 are degenerate, their advantages exactly 0)
+    assert vcpo.counts.baseline_fallbacks.item() == 2
     grpo = make_objective("grpo")(inputs)
     torch.testing.assert_close(vcpo.advantages, grpo.advantages)
 
@@ -106,3 +108,26 @@ def test_all_trajectories_excluded_gives_zero_loss_and_zero_gradient(name):
     (grad,) = torch.autograd.grad(out.loss, params, allow_unused=False)
     assert out.loss.item() == 0.0 and grad.abs().sum().item() == 0.0
     assert out.counts.nonfinite_trajectories.item() == 9 and out.counts.trajectories.item() == 0
+
+
+@pytest.mark.parametrize("divide_by_std", [True, False])
+def test_an_all_equal_group_of_an_inexact_reward_is_degenerate_for_vcpo(divide_by_std):
+    # eight rewards of 0.1 (the default run's format reward): float32 σ_g is ~8e-9, not 0; the group is still
+    # degenerate (advantages and the learner's two-buffer coefficients exactly 0); the other group is kept
+    rewards = torch.tensor([0.1] * 8 + [0.1] * 7 + [1.0])
+    groups_ids = torch.tensor([0] * 8 + [1] * 8)
+    valid = torch.ones(16, dtype=torch.bool)
+    inputs = PolicyLossInputs(
+        logprobs=torch.full((16, 2), -1.0), old_logprobs=torch.full((16, 2), -1.0),
+        behavior_logprobs=torch.full((16, 2), -1.1), loss_mask=torch.ones(16, 2, dtype=torch.bool),
+        rewards=rewards, group_ids=groups_ids, lags=torch.zeros(16, dtype=torch.long),
+        seq_sq_grad_norms=torch.linspace(0.5, 2.0, 16))
+    vcpo = make_objective("vcpo", divide_by_std=divide_by_std)
+    out = vcpo(inputs)
+    assert out.advantages[:8].abs().sum().item() == 0.0
+    assert out.advantages[8:].abs().sum().item() > 0.0
+    coefficients = vcpo.gradient_coefficients(torch.ones(16), rewards, valid, index_groups(groups_ids), 16)
+    assert coefficients.reward_coef[:8].abs().sum().item() == 0.0
+    assert coefficients.baseline_coef[:8].abs().sum().item() == 0.0
+    assert coefficients.baseline_coef[8:].min().item() > 0.0
+    assert out.counts.degenerate_groups.item() == 1

@@ -215,24 +215,38 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
         return aggregate(rewards, omega, valid, scope)
 
     def advantage_divisor(self, rewards: Tensor, valid: Tensor, groups: GroupIndex) -> tuple[Tensor, Tensor]:
-        """((B,) fp64 divisor d_i of R_i − b*, (B,) bool keep). spec: σ_g (Bessel) + ε, degenerate
-        groups dropped when dividing; reference: population σ_g where > 1e-8 else 1, nothing dropped."""
+        """((B,) fp64 divisor d_i of R_i − b*, (B,) bool keep). spec: σ_g (Bessel) + ε, the members of
+        degenerate groups dropped (`spec_keep`); reference: population σ_g where > 1e-8 else 1, nothing
+        dropped."""
         if self.form == "reference":
             sigma = group_std(rewards, valid, groups, use_bessel_correction=False)[groups.index]
             return reference_std_divisor(sigma, self.divide_by_std), valid
         sigma = group_std(rewards, valid, groups)[groups.index].double()
-        if not self.divide_by_std:
-            return torch.ones_like(sigma), valid
-        return sigma + self.eps, valid & (sigma > 0)
+        keep = self.spec_keep(rewards, valid, groups)
+        return (sigma + self.eps if self.divide_by_std else torch.ones_like(sigma)), keep
+
+    def spec_keep(self, rewards: Tensor, valid: Tensor, groups: GroupIndex) -> Tensor:
+        """(B,) bool: the valid members outside degenerate groups (the spec form's advantage is exactly 0
+        elsewhere) — the prompt groups σ_g is taken over, or, without the σ division, the baseline's scope.
+
+        Exact reward equality decides (`degenerate_groups`), never σ_g > 0: σ_g of eight rewards of 0.1 is
+        8e-9 in float32, not 0, and (R − b*)/(σ_g + ε) of that rounding was ~0.007 — a gradient of rounding
+        noise from every all-0.1 group (the default run's format reward; issue #19)."""
+        scope = groups
+        if not self.divide_by_std and self.scope != "group":
+            scope = single_group(rewards.numel(), rewards.device)
+        return valid & ~degenerate_groups(rewards, valid, scope)[scope.index]
 
     def gradient_coefficients(self, truncated: Tensor, rewards: Tensor, valid: Tensor, groups: GroupIndex,
                               batch_size: int | Tensor) -> TwoBufferCoefficients:
-        """a_i = w̄_i R_i/(d_i B), s_i = w̄_i/(d_i B) (0 where not kept): A − b*_g S = VCPO's ĝ."""
+        """a_i = w̄_i R_i/(d_i B), s_i = w̄_i/(d_i B) (0 where not kept): A − b*_g S = VCPO's ĝ. In the
+        spec form both are exactly 0 for every member of a degenerate group, so such a group adds nothing
+        to the gradient whatever its ∇ℓ_i (the learner does not compute them)."""
         if self.form == "reference":
             divisor, keep = self.advantage_divisor(rewards, valid, groups)
             return reference_coefficients(truncated, rewards, divisor, keep, batch_size)
         sigma = group_std(rewards, valid, groups)[groups.index]
-        keep = valid & (sigma > 0) if self.divide_by_std else valid
+        keep = self.spec_keep(rewards, valid, groups)
         return vcpo_coefficients(truncated, rewards, sigma, keep, batch_size, self.divide_by_std, self.eps)
 
     def _statistics(self, batch: PreparedBatch) -> Statistics:
@@ -244,16 +258,16 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
         scope = batch.groups if self.scope == "group" else single_group(batch.rewards.numel(), norms.device)
         baseline = self.group_baseline(batch.rewards, omega, batch.valid, scope)
         divisor, keep = self.advantage_divisor(batch.rewards, batch.valid, batch.groups)
-        if self.form == "spec" and not self.divide_by_std:
-            # Without σ the spec zeroes the members of scopes with no relative signal (all-equal rewards).
-            keep = keep & ~degenerate_groups(batch.rewards, batch.valid, scope)[scope.index]
         centred = batch.rewards.double() - baseline.per_trajectory.double()
         advantages = torch.where(keep, centred / divisor, torch.zeros_like(centred)).float()
         per_prompt = group_mean(baseline.per_trajectory, batch.valid, batch.groups)
         present = group_count(batch.valid, batch.groups) > 0
         metrics = opob_metrics(per_prompt, group_mean(batch.rewards, batch.valid, batch.groups), present)
-        metrics.update(opob_concentration(omega, batch.valid, batch.groups))
-        counts = {_FALLBACKS: baseline.is_fallback.sum(), _NONFINITE_NORMS: nonfinite_norms}
+        # b* of a scope whose members are all dropped (a degenerate group, in the spec form) moves nothing:
+        # its weights' concentration and its fallback are not counted (the learner skips its ∇ℓ_i, so ω = 0)
+        used = group_count(keep, scope) > 0
+        metrics.update(opob_concentration(omega, keep, batch.groups))
+        counts = {_FALLBACKS: (baseline.is_fallback & used).sum(), _NONFINITE_NORMS: nonfinite_norms}
         return {ADVANTAGES: advantages}, {**metrics, **counts}
 
     def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
