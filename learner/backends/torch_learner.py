@@ -124,6 +124,8 @@ class TorchLearner:
         self._check_supported()
         self.optimizer = self._build_optimizer()
         self.step_count = 0
+        self._skipped_groups = 0
+        """This step's groups left out of the gradient pass (`_gradient_microbatches`)."""
         self.reference = None
         if self.objective.needs_ref_logprobs:  # frozen copy of the initial policy (KL / TBA)
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
@@ -193,6 +195,7 @@ class TorchLearner:
         lags = torch.tensor(list(batch.lags), dtype=torch.long, device=self.device)
         behavior = [self._behavior(batch.trajectories, mb) for mb in microbatches]
         sum_sq = None
+        self._skipped_groups = 0
         started = time.perf_counter()  # phase times: CPU-synchronous; on CUDA they time the launches
         reuse = self.reuses_gradient_forward
         # with `reuse` and no reference model, no forward of this step takes the shared layout
@@ -217,7 +220,7 @@ class TorchLearner:
         num_units = full.num_units(self.objective.loss_aggregation)
         norms = None
         if self.objective.needs_grad_norms:
-            norms = self._vcpo_gradient(full, rewards, group_ids, mine, reuse=reuse)
+            norms = self._vcpo_gradient(full, rewards, group_ids, mine, reuse=reuse, tokens=tokens)
         # log π_θ = log π_old in value at the gradient point. Every rank has the whole minibatch's
         # old/ref/Σπ² (`_share`) and VCPO's norms, so the context is the global one on every rank.
         whole = full.inputs(full.old, rewards, group_ids, lags, norms, num_units)
@@ -240,6 +243,7 @@ class TorchLearner:
                         "train/prompt_tokens_shared": sum(
                             mb.num_tokens - layout.num_tokens
                             for mb, layout in zip(microbatches, layouts, strict=True) if layout),
+                        "train/skipped_groups": self._skipped_groups,
                         "train/nonfinite_trajectories": int(output.counts.nonfinite_trajectories),
                         "train/degenerate_groups": int(output.counts.degenerate_groups),
                         "time/learner_proximal": proximal_s, "time/learner_gradient": gradient_s,
@@ -391,9 +395,15 @@ class TorchLearner:
         return self.proximal == "reuse" or self.autocast_dtype is None
 
     def _vcpo_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor,
-                       mine: list[bool], *, reuse: bool = False) -> Tensor:
+                       mine: list[bool], *, reuse: bool = False,
+                       tokens: list[TrajectoryTokens] | None = None) -> Tensor:
         """VCPO's gradient with exact per-trajectory norms (this rank's groups); returns ‖∇ℓ_i‖² (B,) of
-        the whole minibatch. With `reuse`, `full.old` is filled here from the gradient forwards."""
+        the whole minibatch. With `reuse`, `full.old` is filled here from the gradient forwards.
+
+        Without `reuse`, and given the step's `tokens`, a group whose every member has both coefficients
+        exactly 0 (a degenerate group: singleton or all rewards equal) is left out of the gradient pass —
+        it adds exactly nothing to A − b*S whatever its ∇ℓ_i — and its norms are reported as 0
+        (`_gradient_microbatches`). With `reuse` every trajectory needs its forward for log π_old."""
         objective = self.objective
         log_w = full.seq_log_ratios()
         counts = full.trained_counts()
@@ -421,6 +431,8 @@ class TorchLearner:
                 packed[mb.trajectory_indices] = True
             reward_coef, baseline_coef = reward_coef * packed, baseline_coef * packed
         if not reuse:
+            if tokens is not None:
+                live = self._gradient_microbatches(live, tokens, reward_coef, baseline_coef)
             sq_norms = self._accumulate_opob(live, reward_coef, baseline_coef, baseline)
         else:
             positions = [next(i for i, mb in enumerate(full.microbatches) if mb is part) for part in live]
@@ -445,6 +457,35 @@ class TorchLearner:
         if self.data_parallel is None:
             return sq_norms
         return self.data_parallel.all_reduce_sum_(sq_norms.detach().float().clone())
+
+    def _gradient_microbatches(self, live: list[PackedMicroBatch], tokens: list[TrajectoryTokens],
+                               reward_coefs: Tensor, baseline_coefs: Tensor) -> list[PackedMicroBatch]:
+        """`live` (this rank's micro-batches), re-packed without the groups whose members all have
+        a_i = s_i = 0; `live` itself when there is none. Issue #19: 69–86% of the default run's groups
+        are degenerate (every episode scored the same) — the forward and backward of each would produce
+        norms that weigh nothing and a gradient of exactly 0. The proximal pass still forwards them (their
+        IS weights enter the ESS, the step size and the metrics); the kept groups keep their members'
+        order and the token budget, and stay on this rank."""
+        self._skipped_groups = 0
+        zero = ((reward_coefs == 0) & (baseline_coefs == 0)).tolist()
+        indices = [i for mb in live for i in mb.trajectory_indices.tolist()]
+        silent: dict[int, bool] = {}
+        for i in indices:
+            group = tokens[i].group_id
+            silent[group] = silent.get(group, True) and zero[i]
+        kept = [i for i in indices if not silent[tokens[i].group_id]]
+        self._skipped_groups = sum(silent.values())
+        if len(kept) == len(indices):
+            return live
+        if not kept:  # the gradient is exactly 0: AdamW still steps (momentum, decay) as on a computed 0
+            for parameter in self.model.parameters():
+                if parameter.requires_grad and parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+            return []
+        aggregation = _PACKED_AGGREGATION.get(self.objective.loss_aggregation, "mean")
+        lengths, groups = [len(tokens[i].token_ids) for i in kept], [tokens[i].group_id for i in kept]
+        return [build_microbatch(tokens, [kept[j] for j in plan], aggregation).to(self.device)
+                for plan in plan_microbatches(lengths, groups, self.micro_batch_tokens)]
 
     def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
                          baseline_coefs: Tensor, baseline_fn: BaselineFn) -> Tensor:

@@ -307,6 +307,54 @@ def test_untrained_trajectories_contribute_no_gradient() -> None:
     assert all(float(g.abs().sum()) == 0.0 for g in grads.values())
 
 
+def _with_rewards(step: StepInput, rewards: list[float]) -> StepInput:
+    pairs = zip(step.trajectories, rewards, strict=True)
+    trajectories = [t.model_copy(update={"reward": r}) for t, r in pairs]
+    return dataclasses.replace(step, trajectories=trajectories)
+
+
+@pytest.mark.parametrize("budget", [8, 1_000_000])  # one trajectory per micro-batch / all in one
+def test_vcpo_leaves_degenerate_groups_out_of_the_gradient_pass_and_the_step_is_unchanged(
+    budget: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Group 1 scores 0.1 three times (degenerate; not exact in float32, so σ_g is ~1e-8, not 0): its
+    gradient is exactly 0, so the step leaves it out of the gradient pass. The gradient and every metric
+    but the count equal those of a step that forwards and back-propagates it."""
+    step = _with_rewards(_noisy_step(), [1.0, 0.0, 1.0, 0.1, 0.1, 0.1, 0.0, 1.0, 1.0])
+    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo"}, "group_size": 3})
+    skipping = _learner(algo, micro_batch_tokens=budget)
+    grads, metrics = capture_grads(skipping), skipping.step(step)
+    assert metrics["train/skipped_groups"] == 1 and metrics["train/degenerate_groups"] == 1
+    with monkeypatch.context() as patch:  # the same step with every group in the gradient pass
+        patch.setattr(TorchLearner, "_gradient_microbatches", lambda self, live, *args: live)
+        forwarding = _learner(algo, micro_batch_tokens=budget)
+        all_grads, all_metrics = capture_grads(forwarding), forwarding.step(step)
+    assert all_metrics["train/skipped_groups"] == 0
+    scale = max(float(g.abs().max()) for g in all_grads.values())
+    assert scale > 1e-3  # a real gradient
+    for name, want in all_grads.items():  # fp32: the packing of the other groups may differ
+        torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5 * scale, msg=name)
+    for key, value in all_metrics.items():
+        if key not in ("train/skipped_groups", "train/micro_batches") and not key.startswith("time/"):
+            assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_a_vcpo_step_whose_groups_are_all_degenerate_runs_no_gradient_pass_and_steps_on_zero() -> None:
+    step = _with_rewards(_noisy_step(), [0.1, 0.1, 0.1, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo"}, "group_size": 3})
+    learner = _learner(algo)
+    grads = capture_grads(learner)
+    metrics = learner.step(step)
+    assert metrics["train/skipped_groups"] == 3 and metrics["train/degenerate_groups"] == 3
+    assert 0 < metrics["is/ess_ratio"] < 1  # the proximal pass still ran: noisy behaviour, IS weights ≠ 1
+    assert len(grads) == len(list(learner.model.parameters()))
+    assert all(float(g.abs().sum()) == 0.0 for g in grads.values())  # exactly zero, present (AdamW steps)
+    fresh = _learner(algo)  # AdamW steps every parameter (its moments decay) as on a computed zero gradient
+    assert fresh.step(step)["grad/norm"] == 0.0
+    parameters = list(fresh.model.parameters())
+    assert all(float(fresh.optimizer.state[p]["step"]) == 1.0 for p in parameters)
+
+
 def test_lr_schedule_warms_up_then_decays() -> None:
     optim = OptimConfig(lr=1.0, warmup_steps=2, schedule="linear", total_steps=6)
     # warm-up: (step+1)/2 → 0.5, 1.0; then 1 − (step−2)/4 → 1, .75, .5, .25
