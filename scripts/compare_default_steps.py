@@ -13,8 +13,10 @@ numerics, timed against the same `before`).
 Prints one JSON object: per side the step times (`time/step`, `time/train`, `time/generate`) and the
 process CPU-seconds (`time/cpu`, tool-call children included) of steps 2..N (step 1 includes the
 engine's first fill of the pipeline), their medians, and the medians over the steps with generation
-alongside and over the last steps without it (the learner alone); then the ratio after/before of the
-median step. Where the CPU goes: on a machine whose cores the engine and the learner share, a step
+alongside and over the last steps without it (the learner alone); then the ratios after/before of the
+median and of the mean step (the mean is what a run's wall time adds up; per step the counts of
+degenerate groups and of groups the learner skipped are printed too, since a step's time depends on
+them). Where the CPU goes: on a machine whose cores the engine and the learner share, a step
 cannot be shorter than its CPU-seconds over the cores, so `cpu_floor_s` (median CPU-seconds of the steps
 with generation ÷ cores) and `generation_cpu_s` (that median minus the learner-alone median) say how much
 of a step is work that overlap cannot hide. Hosts differ and memory bandwidth swings: compare only the
@@ -46,12 +48,21 @@ def _run(tree: Path, run_dir: Path, model: str, steps: int, extra: list[str]) ->
                f"trainer.total_steps={steps}", "--no-progress", *extra]
     subprocess.run(command, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {key: [float(r.get(f"time/{key}") or 0.0) for r in records[1:]] for key in KEYS}
+    return {key: [float(r.get(f"time/{key}") or 0.0) for r in records[1:]] for key in KEYS} | {
+        key: [float(r.get(f"train/{key}") or 0.0) for r in records[1:]] for key in GROUP_COUNTS}
+
+
+GROUP_COUNTS = ("degenerate_groups", "skipped_groups")
+"""Per timed step: groups whose rewards were all equal, and those the learner left out of its gradient pass
+(VCPO, since issue #19's seventh session; 0 where a checkout does not log it). A step's learner time
+depends on them, so the two sides' counts are printed next to their times."""
 
 
 def _summary(times: dict[str, list[float]], cores: int) -> dict[str, object]:
     """Medians over all timed steps, over those with generation alongside and over the learner-alone ones."""
-    out: dict[str, object] = {**times, **{f"median_{k}_s": statistics.median(v) for k, v in times.items()}}
+    out: dict[str, object] = {**times, **{f"median_{k}_s": statistics.median(times[k]) for k in KEYS},
+                              **{f"mean_{k}_s": statistics.fmean(times[k]) for k in KEYS}}
+    out.update({f"total_{key}": sum(times[key]) for key in GROUP_COUNTS})
     overlapped = [i for i, g in enumerate(times["generate"]) if g > 0]
     alone = [i for i, g in enumerate(times["generate"]) if g == 0]
     for name, rows in (("with_generation", overlapped), ("learner_alone", alone)):
@@ -117,6 +128,10 @@ def main() -> int:
     before, after = result["before"], result["after"]
     ratio = after["median_step_s"] / before["median_step_s"]  # type: ignore[index]
     result["step_ratio_after_over_before"] = ratio
+    # the mean is what a run's wall time sums: since VCPO skips degenerate groups the steps of one run
+    # differ (a step whose groups all scored alike is generation alone); the median shows the commoner kind
+    mean_ratio = after["mean_step_s"] / before["mean_step_s"]  # type: ignore[index]
+    result["mean_step_ratio_after_over_before"] = mean_ratio
     print(json.dumps(result, indent=1))
     return 0
 
