@@ -58,11 +58,28 @@ GROUP_COUNTS = ("degenerate_groups", "skipped_groups")
 depends on them, so the two sides' counts are printed next to their times."""
 
 
+def mean_by_kind(step_s: list[float], degenerate: list[float]) -> dict[int, float]:
+    """Mean step time per number of degenerate groups in the step."""
+    kinds: dict[int, list[float]] = {}
+    for seconds, count in zip(step_s, degenerate, strict=True):
+        kinds.setdefault(int(count), []).append(seconds)
+    return {count: statistics.fmean(values) for count, values in sorted(kinds.items())}
+
+
+def mix_adjusted_mean(by_kind: dict[int, float], mix: list[float]) -> float | None:
+    """The mean step `by_kind`'s times give over the steps of `mix` (their degenerate-group counts): what
+    one side's steps would average on the other side's data. None if a kind of `mix` was never timed."""
+    if any(int(count) not in by_kind for count in mix):
+        return None
+    return statistics.fmean(by_kind[int(count)] for count in mix)
+
+
 def _summary(times: dict[str, list[float]], cores: int) -> dict[str, object]:
     """Medians over all timed steps, over those with generation alongside and over the learner-alone ones."""
     out: dict[str, object] = {**times, **{f"median_{k}_s": statistics.median(times[k]) for k in KEYS},
                               **{f"mean_{k}_s": statistics.fmean(times[k]) for k in KEYS}}
     out.update({f"total_{key}": sum(times[key]) for key in GROUP_COUNTS})
+    out["mean_step_s_by_degenerate_groups"] = mean_by_kind(times["step"], times["degenerate_groups"])
     overlapped = [i for i, g in enumerate(times["generate"]) if g > 0]
     alone = [i for i, g in enumerate(times["generate"]) if g == 0]
     for name, rows in (("with_generation", overlapped), ("learner_alone", alone)):
@@ -132,6 +149,10 @@ def main() -> int:
     # differ (a step whose groups all scored alike is generation alone); the median shows the commoner kind
     mean_ratio = after["mean_step_s"] / before["mean_step_s"]  # type: ignore[index]
     result["mean_step_ratio_after_over_before"] = mean_ratio
+    # and on the same data: the after side's time per kind of step, over the before side's mix of kinds
+    adjusted = mix_adjusted_mean(after["mean_step_s_by_degenerate_groups"],  # type: ignore[index]
+                                 before["degenerate_groups"])  # type: ignore[index]
+    result["mix_adjusted_mean_step_ratio"] = adjusted / before["mean_step_s"] if adjusted else None  # type: ignore[index]
     print(json.dumps(result, indent=1))
     return 0
 
