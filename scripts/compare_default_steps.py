@@ -152,7 +152,7 @@ def main() -> int:
     # and on the same data: the after side's time per kind of step, over the before side's mix of kinds
     adjusted = mix_adjusted_mean(after["mean_step_s_by_degenerate_groups"],  # type: ignore[index]
                                  before["degenerate_groups"])  # type: ignore[index]
-    result["mix_adjusted_mean_step_ratio"] = adjusted / before["mean_step_s"] if adjusted else None  # type: ignore[index]
+    result["mix_adjusted_mean_step_ratio"] = None if adjusted is None else adjusted / before["mean_step_s"]  # type: ignore[index]
     print(json.dumps(result, indent=1))
     return 0
 

@@ -124,8 +124,6 @@ class TorchLearner:
         self._check_supported()
         self.optimizer = self._build_optimizer()
         self.step_count = 0
-        self._skipped_groups = 0
-        """This step's groups left out of the gradient pass (`_gradient_microbatches`)."""
         self.reference = None
         if self.objective.needs_ref_logprobs:  # frozen copy of the initial policy (KL / TBA)
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
@@ -195,7 +193,6 @@ class TorchLearner:
         lags = torch.tensor(list(batch.lags), dtype=torch.long, device=self.device)
         behavior = [self._behavior(batch.trajectories, mb) for mb in microbatches]
         sum_sq = None
-        self._skipped_groups = 0
         started = time.perf_counter()  # phase times: CPU-synchronous; on CUDA they time the launches
         reuse = self.reuses_gradient_forward
         # with `reuse` and no reference model, no forward of this step takes the shared layout
@@ -218,9 +215,10 @@ class TorchLearner:
         proximal_s, started = time.perf_counter() - started, time.perf_counter()
         full = _FullBatch(microbatches, size, old, behavior, ref, self.device, sum_sq, layouts)
         num_units = full.num_units(self.objective.loss_aggregation)
-        norms = None
+        norms, skipped_groups = None, 0
         if self.objective.needs_grad_norms:
-            norms = self._vcpo_gradient(full, rewards, group_ids, mine, reuse=reuse, tokens=tokens)
+            norms, skipped_groups = self._vcpo_gradient(full, rewards, group_ids, mine, reuse=reuse,
+                                                        tokens=tokens)
         # log π_θ = log π_old in value at the gradient point. Every rank has the whole minibatch's
         # old/ref/Σπ² (`_share`) and VCPO's norms, so the context is the global one on every rank.
         whole = full.inputs(full.old, rewards, group_ids, lags, norms, num_units)
@@ -243,7 +241,7 @@ class TorchLearner:
                         "train/prompt_tokens_shared": sum(
                             mb.num_tokens - layout.num_tokens
                             for mb, layout in zip(microbatches, layouts, strict=True) if layout),
-                        "train/skipped_groups": self._skipped_groups,
+                        "train/skipped_groups": skipped_groups,
                         "train/nonfinite_trajectories": int(output.counts.nonfinite_trajectories),
                         "train/degenerate_groups": int(output.counts.degenerate_groups),
                         "time/learner_proximal": proximal_s, "time/learner_gradient": gradient_s,
@@ -298,16 +296,22 @@ class TorchLearner:
             budget = max(budget, max(group_tokens.values()))
         world = self.data_parallel.world_size if self.data_parallel is not None else 1
         owner = assign_groups(group_tokens, world) if world > 1 else dict.fromkeys(group_tokens, 0)
-        aggregation = _PACKED_AGGREGATION.get(self.objective.loss_aggregation, "mean")
         ranked: list[tuple[PackedMicroBatch, int]] = []
         for rank in range(world):
             indices = [i for i, t in enumerate(tokens) if owner[t.group_id] == rank]
-            plans = plan_microbatches([len(tokens[i].token_ids) for i in indices],
-                                      [tokens[i].group_id for i in indices], budget) if indices else []
-            for plan in plans:
-                mb = build_microbatch(tokens, [indices[j] for j in plan], aggregation)
-                ranked.append((mb.to(self.device), rank))
+            ranked += [(mb, rank) for mb in self._pack_indices(tokens, indices, budget)]
         return ranked
+
+    def _pack_indices(self, tokens: list[TrajectoryTokens], indices: list[int],
+                      budget: int) -> list[PackedMicroBatch]:
+        """`tokens[i]` for `i in indices`, packed group-aligned into micro-batches of `budget` tokens."""
+        if not indices:
+            return []
+        aggregation = _PACKED_AGGREGATION.get(self.objective.loss_aggregation, "mean")
+        plans = plan_microbatches([len(tokens[i].token_ids) for i in indices],
+                                  [tokens[i].group_id for i in indices], budget)
+        return [build_microbatch(tokens, [indices[j] for j in plan], aggregation).to(self.device)
+                for plan in plans]
 
     def _behavior(self, trajectories: Sequence[Trajectory], mb: PackedMicroBatch) -> Tensor:
         """(K,) engine log-probs aligned with the micro-batch's targets (target t predicts token t+1)."""
@@ -396,9 +400,10 @@ class TorchLearner:
 
     def _vcpo_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor,
                        mine: list[bool], *, reuse: bool = False,
-                       tokens: list[TrajectoryTokens] | None = None) -> Tensor:
+                       tokens: list[TrajectoryTokens] | None = None) -> tuple[Tensor, int]:
         """VCPO's gradient with exact per-trajectory norms (this rank's groups); returns ‖∇ℓ_i‖² (B,) of
-        the whole minibatch. With `reuse`, `full.old` is filled here from the gradient forwards.
+        the whole minibatch and how many of this rank's groups the gradient pass left out. With `reuse`,
+        `full.old` is filled here from the gradient forwards.
 
         Without `reuse`, and given the step's `tokens`, a group whose every member has both coefficients
         exactly 0 (a degenerate group: singleton or all rewards equal) is left out of the gradient pass —
@@ -430,9 +435,14 @@ class TorchLearner:
             for mb in live:
                 packed[mb.trajectory_indices] = True
             reward_coef, baseline_coef = reward_coef * packed, baseline_coef * packed
+        skipped = 0
         if not reuse:
             if tokens is not None:
-                live = self._gradient_microbatches(live, tokens, reward_coef, baseline_coef)
+                live, skipped = self._gradient_microbatches(live, tokens, reward_coef, baseline_coef)
+            if skipped and not live:  # the gradient is exactly 0: AdamW still steps as on a computed 0
+                for parameter in self.model.parameters():
+                    if parameter.requires_grad and parameter.grad is None:
+                        parameter.grad = torch.zeros_like(parameter)
             sq_norms = self._accumulate_opob(live, reward_coef, baseline_coef, baseline)
         else:
             positions = [next(i for i, mb in enumerate(full.microbatches) if mb is part) for part in live]
@@ -455,37 +465,29 @@ class TorchLearner:
                 temperature=self.temperature, coefficients_from_logprobs=from_logprobs).sq_norms
             full.old[:] = self._share(full.old)  # every rank: the whole minibatch's log π_old
         if self.data_parallel is None:
-            return sq_norms
-        return self.data_parallel.all_reduce_sum_(sq_norms.detach().float().clone())
+            return sq_norms, skipped
+        return self.data_parallel.all_reduce_sum_(sq_norms.detach().float().clone()), skipped
 
     def _gradient_microbatches(self, live: list[PackedMicroBatch], tokens: list[TrajectoryTokens],
-                               reward_coefs: Tensor, baseline_coefs: Tensor) -> list[PackedMicroBatch]:
-        """`live` (this rank's micro-batches), re-packed without the groups whose members all have
-        a_i = s_i = 0; `live` itself when there is none. Issue #19: 69–86% of the default run's groups
-        are degenerate (every episode scored the same) — the forward and backward of each would produce
-        norms that weigh nothing and a gradient of exactly 0. The proximal pass still forwards them (their
-        IS weights enter the ESS, the step size and the metrics); the kept groups keep their members'
-        order and the token budget, and stay on this rank."""
-        self._skipped_groups = 0
+                               reward_coefs: Tensor, baseline_coefs: Tensor
+                               ) -> tuple[list[PackedMicroBatch], int]:
+        """`live` (this rank's micro-batches) re-packed without the groups whose members all have
+        a_i = s_i = 0, and how many groups that left out; `live` itself when none. Issue #19: 69–86% of the
+        default run's groups are degenerate (every episode scored the same) — the forward and backward of
+        each would produce norms that weigh nothing and a gradient of exactly 0. The proximal pass still
+        forwards them (their IS weights enter the ESS, the step size and the metrics); the kept groups keep
+        their members' order and the token budget, and stay on this rank."""
         zero = ((reward_coefs == 0) & (baseline_coefs == 0)).tolist()
         indices = [i for mb in live for i in mb.trajectory_indices.tolist()]
         silent: dict[int, bool] = {}
         for i in indices:
             group = tokens[i].group_id
             silent[group] = silent.get(group, True) and zero[i]
+        skipped = sum(silent.values())
+        if not skipped:
+            return live, 0
         kept = [i for i in indices if not silent[tokens[i].group_id]]
-        self._skipped_groups = sum(silent.values())
-        if len(kept) == len(indices):
-            return live
-        if not kept:  # the gradient is exactly 0: AdamW still steps (momentum, decay) as on a computed 0
-            for parameter in self.model.parameters():
-                if parameter.requires_grad and parameter.grad is None:
-                    parameter.grad = torch.zeros_like(parameter)
-            return []
-        aggregation = _PACKED_AGGREGATION.get(self.objective.loss_aggregation, "mean")
-        lengths, groups = [len(tokens[i].token_ids) for i in kept], [tokens[i].group_id for i in kept]
-        return [build_microbatch(tokens, [kept[j] for j in plan], aggregation).to(self.device)
-                for plan in plan_microbatches(lengths, groups, self.micro_batch_tokens)]
+        return self._pack_indices(tokens, kept, self.micro_batch_tokens), skipped
 
     def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
                          baseline_coefs: Tensor, baseline_fn: BaselineFn) -> Tensor:
