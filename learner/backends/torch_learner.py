@@ -183,24 +183,31 @@ class TorchLearner:
         """One optimizer step on `batch`; returns its metrics (floats, and lists for histograms)."""
         size = len(batch.trajectories)
         tokens = self._tokens(batch)
-        ranked = self._pack_ranked(tokens)
-        microbatches = [mb for mb, _ in ranked]
-        rank = self.data_parallel.rank if self.data_parallel is not None else 0
-        mine = [owner == rank for _, owner in ranked]
         rewards = torch.tensor([t.reward for t in batch.trajectories], dtype=torch.float32,
                                device=self.device)
         group_ids = torch.tensor(list(batch.group_ids), dtype=torch.long, device=self.device)
         lags = torch.tensor(list(batch.lags), dtype=torch.long, device=self.device)
+        reuse = self.reuses_gradient_forward
+        silent = self._silent_trajectories(tokens, rewards, group_ids) if reuse else None
+        ranked = self._pack_ranked(tokens, apart=silent)
+        microbatches = [mb for mb, _ in ranked]
+        rank = self.data_parallel.rank if self.data_parallel is not None else 0
+        mine = [owner == rank for _, owner in ranked]
         behavior = [self._behavior(batch.trajectories, mb) for mb in microbatches]
         sum_sq = None
         started = time.perf_counter()  # phase times: CPU-synchronous; on CUDA they time the launches
-        reuse = self.reuses_gradient_forward
-        # with `reuse` and no reference model, no forward of this step takes the shared layout
-        layouts = self._shared_prompt_layouts(microbatches, mine,
-                                              used=not reuse or self.reference is not None)
+        # with `reuse`, a micro-batch of silent groups is the only forward of the step that takes the shared
+        # layout (unless a reference model needs one for every micro-batch)
+        quiet = [silent is not None and bool(silent[mb.trajectory_indices].all()) for mb in microbatches]
+        layouts = self._shared_prompt_layouts(
+            microbatches, [own and (not reuse or self.reference is not None or q)
+                           for own, q in zip(mine, quiet, strict=True)], used=True)
         with torch.no_grad():  # each rank its own micro-batches; zeros stand in for the others' until _share
-            if reuse:  # log π_old from the gradient pass's forward (filled in by _vcpo_gradient)
-                old = [self._zeros(mb) for mb in microbatches]
+            if reuse:  # log π_old from the gradient pass's forward (filled in by _vcpo_gradient); a silent
+                # group's from a no-grad forward in the gradient forward's dtype (it has no gradient pass)
+                old = [self._logprobs(self.model, mb, layout, proximal=False) if own and is_quiet
+                       else self._zeros(mb)
+                       for mb, own, is_quiet, layout in zip(microbatches, mine, quiet, layouts, strict=True)]
             elif self.objective.needs_sum_probs_squared:  # OTB: Σ_v π_old(v)² from the same forward
                 stats = [self._target_stats(mb, layout) if own else (self._zeros(mb), self._zeros(mb))
                          for mb, own, layout in zip(microbatches, mine, layouts, strict=True)]
@@ -218,7 +225,7 @@ class TorchLearner:
         norms, skipped_groups = None, 0
         if self.objective.needs_grad_norms:
             norms, skipped_groups = self._vcpo_gradient(full, rewards, group_ids, mine, reuse=reuse,
-                                                        tokens=tokens)
+                                                        tokens=tokens, quiet=quiet)
         # log π_θ = log π_old in value at the gradient point. Every rank has the whole minibatch's
         # old/ref/Σπ² (`_share`) and VCPO's norms, so the context is the global one on every rank.
         whole = full.inputs(full.old, rewards, group_ids, lags, norms, num_units)
@@ -279,8 +286,10 @@ class TorchLearner:
     def _pack(self, tokens: list[TrajectoryTokens]) -> list[PackedMicroBatch]:
         return [mb for mb, _ in self._pack_ranked(tokens)]
 
-    def _pack_ranked(self, tokens: list[TrajectoryTokens]) -> list[tuple[PackedMicroBatch, int]]:
+    def _pack_ranked(self, tokens: list[TrajectoryTokens], apart: Tensor | None = None
+                     ) -> list[tuple[PackedMicroBatch, int]]:
         """(micro-batch, data-parallel rank that trains it), rank by rank; one process: all rank 0.
+        `apart`: (B,) bool, whole groups packed into micro-batches of their own (`_silent_trajectories`).
 
         VCPO's two-buffer gradient lets a group span micro-batches, so its micro-batches keep to the
         token budget (activation memory ∝ budget). Other objectives' micro-batches hold whole groups (over
@@ -297,10 +306,28 @@ class TorchLearner:
         world = self.data_parallel.world_size if self.data_parallel is not None else 1
         owner = assign_groups(group_tokens, world) if world > 1 else dict.fromkeys(group_tokens, 0)
         ranked: list[tuple[PackedMicroBatch, int]] = []
+        flags = apart.tolist() if apart is not None else [False] * len(tokens)
         for rank in range(world):
-            indices = [i for i, t in enumerate(tokens) if owner[t.group_id] == rank]
-            ranked += [(mb, rank) for mb in self._pack_indices(tokens, indices, budget)]
+            for side in (False, True):
+                indices = [i for i, t in enumerate(tokens) if owner[t.group_id] == rank and flags[i] == side]
+                ranked += [(mb, rank) for mb in self._pack_indices(tokens, indices, budget)]
         return ranked
+
+    def _silent_trajectories(self, tokens: list[TrajectoryTokens], rewards: Tensor,
+                             group_ids: Tensor) -> Tensor:
+        """(B,) bool: the members of groups whose VCPO coefficients a_i, s_i are all exactly 0 whatever the
+        IS weights — the trajectories the objective does not keep (`advantage_divisor`: in the spec form the
+        degenerate groups' members and those without trained tokens; in the reference form only the latter),
+        grouped so a group is silent only when all its members are. With `learner.proximal: reuse` they are
+        packed apart and get log π_old from a no-grad forward instead of the gradient pass (issue #19)."""
+        # trained targets: positions 1.. of the loss mask (packing.build_microbatch), as `trained_counts`
+        valid = torch.tensor([any(t.loss_mask[1:]) for t in tokens], dtype=torch.bool, device=self.device)
+        _, keep = self.objective.advantage_divisor(rewards, valid, index_groups(group_ids))
+        zero = (~keep).tolist()
+        silent: dict[int, bool] = {}
+        for t, z in zip(tokens, zero, strict=True):
+            silent[t.group_id] = silent.get(t.group_id, True) and z
+        return torch.tensor([silent[t.group_id] for t in tokens], dtype=torch.bool, device=self.device)
 
     def _pack_indices(self, tokens: list[TrajectoryTokens], indices: list[int],
                       budget: int) -> list[PackedMicroBatch]:
@@ -400,7 +427,8 @@ class TorchLearner:
 
     def _vcpo_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor,
                        mine: list[bool], *, reuse: bool = False,
-                       tokens: list[TrajectoryTokens] | None = None) -> tuple[Tensor, int]:
+                       tokens: list[TrajectoryTokens] | None = None,
+                       quiet: list[bool] | None = None) -> tuple[Tensor, int]:
         """VCPO's gradient with exact per-trajectory norms (this rank's groups); returns ‖∇ℓ_i‖² (B,) of
         the whole minibatch and how many of this rank's groups the gradient pass left out. With `reuse`,
         `full.old` is filled here from the gradient forwards.
@@ -408,7 +436,9 @@ class TorchLearner:
         Without `reuse`, and given the step's `tokens`, a group whose every member has both coefficients
         exactly 0 (a degenerate group: singleton or all rewards equal) is left out of the gradient pass —
         it adds exactly nothing to A − b*S whatever its ∇ℓ_i — and its norms are reported as 0
-        (`_gradient_microbatches`). With `reuse` every trajectory needs its forward for log π_old."""
+        (`_gradient_microbatches`). With `reuse`, such groups were packed apart (`quiet` micro-batches)
+        and their log π_old already taken from a no-grad forward (`step`): the gradient pass leaves those
+        micro-batches out."""
         objective = self.objective
         log_w = full.seq_log_ratios()
         counts = full.trained_counts()
@@ -436,14 +466,21 @@ class TorchLearner:
                 packed[mb.trajectory_indices] = True
             reward_coef, baseline_coef = reward_coef * packed, baseline_coef * packed
         skipped = 0
+        if reuse and quiet is not None:  # silent groups' micro-batches: log π_old is in, no gradient pass
+            silent = [mb for mb, own, q in zip(full.microbatches, mine, quiet, strict=True) if own and q]
+            skipped = len({g for mb in silent for g in group_ids[mb.trajectory_indices].tolist()})
+            live = [mb for mb in live if not any(mb is other for other in silent)]
+        elif not reuse and tokens is not None:
+            live, skipped = self._gradient_microbatches(live, tokens, reward_coef, baseline_coef)
+        if skipped and not live:  # the gradient is exactly 0: AdamW still steps as on a computed 0
+            for parameter in self.model.parameters():
+                if parameter.requires_grad and parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
         if not reuse:
-            if tokens is not None:
-                live, skipped = self._gradient_microbatches(live, tokens, reward_coef, baseline_coef)
-            if skipped and not live:  # the gradient is exactly 0: AdamW still steps as on a computed 0
-                for parameter in self.model.parameters():
-                    if parameter.requires_grad and parameter.grad is None:
-                        parameter.grad = torch.zeros_like(parameter)
             sq_norms = self._accumulate_opob(live, reward_coef, baseline_coef, baseline)
+        elif not live:
+            sq_norms = torch.zeros(full.size, dtype=torch.float32, device=self.device)
+            full.old[:] = self._share(full.old)
         else:
             positions = [next(i for i, mb in enumerate(full.microbatches) if mb is part) for part in live]
 

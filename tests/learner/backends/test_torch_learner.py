@@ -355,6 +355,77 @@ def test_a_vcpo_step_whose_groups_are_all_degenerate_runs_no_gradient_pass_and_s
     assert all(float(fresh.optimizer.state[p]["step"]) == 1.0 for p in parameters)
 
 
+def _reusing(algo: AlgoConfig, budget: int = 64, share_prompts: bool = False) -> TorchLearner:
+    learner = _learner(algo, micro_batch_tokens=budget)
+    learner.proximal, learner.share_prompts = "reuse", share_prompts
+    assert learner.reuses_gradient_forward
+    return learner
+
+
+@pytest.mark.parametrize(("budget", "share_prompts"), [(8, False), (1_000_000, False), (1_000_000, True)])
+def test_reuse_takes_a_degenerate_groups_pi_old_from_a_no_grad_forward_and_the_step_is_unchanged(
+    budget: int, share_prompts: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """learner.proximal: reuse takes log π_old from the gradient forward — but a degenerate group has no
+    gradient pass: it is packed apart and its log π_old comes from a no-grad forward in the gradient
+    forward's dtype (fp32 here: the same values). The gradient and every metric but the count equal
+    those of the reuse step that runs the group through the gradient pass, and of the separate pass."""
+    step = _with_rewards(_noisy_step(), [1.0, 0.0, 1.0, 0.1, 0.1, 0.1, 0.0, 1.0, 1.0])
+    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo"}, "group_size": 3})
+    skipping = _reusing(algo, budget, share_prompts)
+    grads, metrics = capture_grads(skipping), skipping.step(step)
+    assert metrics["train/skipped_groups"] == 1 and metrics["train/degenerate_groups"] == 1
+    with monkeypatch.context() as patch:  # the same step with every group in the gradient pass
+        patch.setattr(TorchLearner, "_silent_trajectories",
+                      lambda self, tokens, *args: torch.zeros(len(tokens), dtype=torch.bool))
+        forwarding = _reusing(algo, budget, share_prompts)
+        all_grads, all_metrics = capture_grads(forwarding), forwarding.step(step)
+    separate = _learner(algo, micro_batch_tokens=budget)
+    separate_grads, separate_metrics = capture_grads(separate), separate.step(step)
+    assert all_metrics["train/skipped_groups"] == 0
+    scale = max(float(g.abs().max()) for g in all_grads.values())
+    assert scale > 1e-3  # a real gradient
+    for name, want in all_grads.items():  # fp32: the packing of the other groups may differ
+        torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5 * scale, msg=name)
+        torch.testing.assert_close(grads[name], separate_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+    # the degenerate group's no-grad forward takes the shared-prompt layout (the only one under reuse)
+    assert (metrics["train/prompt_tokens_shared"] > 0) == share_prompts
+    assert all_metrics["train/prompt_tokens_shared"] == 0
+    uncompared = ("train/skipped_groups", "train/micro_batches", "train/prompt_tokens_shared")
+    for key, value in all_metrics.items():
+        if key not in uncompared and not key.startswith("time/"):
+            assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+            assert metrics[key] == pytest.approx(separate_metrics[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("form", ["spec", "reference"])
+def test_a_reuse_step_of_degenerate_groups_gets_its_importance_weights_from_the_no_grad_forward(
+    form: str,
+) -> None:
+    """All three groups degenerate under reuse: in the spec form no gradient pass at all (exact zero
+    gradients, AdamW steps), yet log π_old — and with it the IS weights, the ESS and the step size — is
+    that of the separate proximal pass. The reference form (the authors' code) drops no group: its
+    coefficients of an all-equal group are tiny, not 0, so every group goes through the gradient pass."""
+    step = _with_rewards(_noisy_step(), [0.1, 0.1, 0.1, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo", "opob": {"form": form}}, "group_size": 3})
+    learner = _reusing(algo)
+    grads, metrics = capture_grads(learner), learner.step(step)
+    separate_metrics = _learner(algo).step(step)
+    for key in ("is/ess_ratio", "is/w_max", "is/log_w_mean", "lr/scale"):
+        assert metrics[key] == pytest.approx(separate_metrics[key], rel=1e-5, abs=1e-7), key
+    assert 0 < metrics["is/ess_ratio"] < 1  # noisy behaviour: IS weights ≠ 1
+    if form == "reference":
+        assert metrics["train/skipped_groups"] == 0
+        assert max(float(g.abs().max()) for g in grads.values()) > 0
+        return
+    assert metrics["train/skipped_groups"] == 3
+    assert len(grads) == len(list(learner.model.parameters()))
+    assert all(float(g.abs().sum()) == 0.0 for g in grads.values())
+    fresh = _reusing(algo)  # AdamW steps every parameter, as on a computed zero gradient
+    assert fresh.step(step)["grad/norm"] == 0.0
+    assert all(float(fresh.optimizer.state[p]["step"]) == 1.0 for p in fresh.model.parameters())
+
+
 def test_lr_schedule_warms_up_then_decays() -> None:
     optim = OptimConfig(lr=1.0, warmup_steps=2, schedule="linear", total_steps=6)
     # warm-up: (step+1)/2 → 0.5, 1.0; then 1 − (step−2)/4 → 1, .75, .5, .25
