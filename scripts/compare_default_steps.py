@@ -36,6 +36,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from learner.benchmarks.step_mix import mean_by_kind, mix_adjusted_mean
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv" / "bin" / "python"
 KEYS = ("step", "train", "generate", "cpu")
@@ -56,22 +58,6 @@ GROUP_COUNTS = ("degenerate_groups", "skipped_groups")
 """Per timed step: groups whose rewards were all equal, and those the learner left out of its gradient pass
 (VCPO, since issue #19's seventh session; 0 where a checkout does not log it). A step's learner time
 depends on them, so the two sides' counts are printed next to their times."""
-
-
-def mean_by_kind(step_s: list[float], degenerate: list[float]) -> dict[int, float]:
-    """Mean step time per number of degenerate groups in the step."""
-    kinds: dict[int, list[float]] = {}
-    for seconds, count in zip(step_s, degenerate, strict=True):
-        kinds.setdefault(int(count), []).append(seconds)
-    return {count: statistics.fmean(values) for count, values in sorted(kinds.items())}
-
-
-def mix_adjusted_mean(by_kind: dict[int, float], mix: list[float]) -> float | None:
-    """The mean step `by_kind`'s times give over the steps of `mix` (their degenerate-group counts): what
-    one side's steps would average on the other side's data. None if a kind of `mix` was never timed."""
-    if any(int(count) not in by_kind for count in mix):
-        return None
-    return statistics.fmean(by_kind[int(count)] for count in mix)
 
 
 def _summary(times: dict[str, list[float]], cores: int) -> dict[str, object]:

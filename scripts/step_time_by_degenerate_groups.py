@@ -22,8 +22,7 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_default_steps import mean_by_kind, mix_adjusted_mean  # a sibling script
+from learner.benchmarks.step_mix import mean_by_kind, mix_adjusted_mean
 
 
 def _steps(run_dir: Path) -> tuple[list[float], list[float], int]:
