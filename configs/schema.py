@@ -361,8 +361,9 @@ class AsyncBenchConfig(StrictModel):
     """The run config whose workload (model, task, algo, batch) every k trains."""
     lags: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0, 1, 2, 4])
     """Lag bounds to compare; 0 (synchronous) is the baseline of the speedups."""
-    steps: int = Field(6, ge=1)
-    """Optimizer steps per k (the same for all)."""
+    steps: int = Field(16, ge=1)
+    """Optimizer steps per k (the same for all); the first k + 1 are the pipeline fill and the last k the
+    drain, the steps between them the steady state (learner/benchmarks/asynchrony.py)."""
     overrides: list[str] = Field(default_factory=list)
     """a.b.c=value overrides applied to the run config (e.g. a smaller model or batch)."""
     run_root: str = "runs/bench-async"
