@@ -40,7 +40,8 @@ def test_bench_async_reports_each_lag_with_its_time_split(tmp_path: Path, tiny_m
         assert row["gen_tokens_per_s"] == pytest.approx(row["tokens"] / row["generate_s"])
         assert row["pipeline_gap"] >= 0.99  # a step cannot be shorter than its slower side's busy time
         assert row["degenerate_groups"] >= row["skipped_groups"] >= 0
-        assert not (tmp_path / "bench-runs" / f"k{lag}" / "checkpoints").exists()  # no 1.6 GB checkpoint
+        for kept in ("checkpoints", "export"):  # no 1.6 GB checkpoint, no 0.5 GB policy
+            assert not (tmp_path / "bench-runs" / f"k{lag}" / kept).exists()
     bound = report["overlap_bound"]
     assert bound["speedup"] == pytest.approx(min(bound["by_cores"], bound["by_overlap"]))
     assert bound["by_cores"] == pytest.approx(1 / rows[0]["steady_utilization"])
