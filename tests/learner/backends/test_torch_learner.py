@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -313,6 +314,19 @@ def _with_rewards(step: StepInput, rewards: list[float]) -> StepInput:
     return dataclasses.replace(step, trajectories=trajectories)
 
 
+def _assert_same_step(grads: dict[str, torch.Tensor], metrics: dict[str, Any],
+                      want_grads: dict[str, torch.Tensor], want_metrics: dict[str, Any],
+                      uncompared: tuple[str, ...] = ("train/skipped_groups", "train/micro_batches")) -> None:
+    """The same gradient (fp32: packings may differ) and every metric but `uncompared` and the timings."""
+    scale = max(float(g.abs().max()) for g in want_grads.values())
+    assert scale > 1e-3  # a real gradient
+    for name, want in want_grads.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5 * scale, msg=name)
+    for key, value in want_metrics.items():
+        if key not in uncompared and not key.startswith("time/"):
+            assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
 @pytest.mark.parametrize("budget", [8, 1_000_000])  # one trajectory per micro-batch / all in one
 def test_vcpo_leaves_degenerate_groups_out_of_the_gradient_pass_and_the_step_is_unchanged(
     budget: int, monkeypatch: pytest.MonkeyPatch,
@@ -330,13 +344,7 @@ def test_vcpo_leaves_degenerate_groups_out_of_the_gradient_pass_and_the_step_is_
         forwarding = _learner(algo, micro_batch_tokens=budget)
         all_grads, all_metrics = capture_grads(forwarding), forwarding.step(step)
     assert all_metrics["train/skipped_groups"] == 0
-    scale = max(float(g.abs().max()) for g in all_grads.values())
-    assert scale > 1e-3  # a real gradient
-    for name, want in all_grads.items():  # fp32: the packing of the other groups may differ
-        torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5 * scale, msg=name)
-    for key, value in all_metrics.items():
-        if key not in ("train/skipped_groups", "train/micro_batches") and not key.startswith("time/"):
-            assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    _assert_same_step(grads, metrics, all_grads, all_metrics)
 
 
 def test_a_vcpo_step_whose_groups_are_all_degenerate_runs_no_gradient_pass_and_steps_on_zero() -> None:
@@ -383,19 +391,12 @@ def test_reuse_takes_a_degenerate_groups_pi_old_from_a_no_grad_forward_and_the_s
     separate = _learner(algo, micro_batch_tokens=budget)
     separate_grads, separate_metrics = capture_grads(separate), separate.step(step)
     assert all_metrics["train/skipped_groups"] == 0
-    scale = max(float(g.abs().max()) for g in all_grads.values())
-    assert scale > 1e-3  # a real gradient
-    for name, want in all_grads.items():  # fp32: the packing of the other groups may differ
-        torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5 * scale, msg=name)
-        torch.testing.assert_close(grads[name], separate_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
     # the degenerate group's no-grad forward takes the shared-prompt layout (the only one under reuse)
     assert (metrics["train/prompt_tokens_shared"] > 0) == share_prompts
     assert all_metrics["train/prompt_tokens_shared"] == 0
     uncompared = ("train/skipped_groups", "train/micro_batches", "train/prompt_tokens_shared")
-    for key, value in all_metrics.items():
-        if key not in uncompared and not key.startswith("time/"):
-            assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
-            assert metrics[key] == pytest.approx(separate_metrics[key], rel=1e-5, abs=1e-6), key
+    _assert_same_step(grads, metrics, all_grads, all_metrics, uncompared)
+    _assert_same_step(grads, metrics, separate_grads, separate_metrics, uncompared)
 
 
 @pytest.mark.parametrize("form", ["spec", "reference"])
