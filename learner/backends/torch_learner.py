@@ -226,6 +226,9 @@ class TorchLearner:
         if self.objective.needs_grad_norms:
             norms, skipped_groups = self._vcpo_gradient(full, rewards, group_ids, mine, reuse=reuse,
                                                         tokens=tokens, quiet=quiet)
+            if self.data_parallel is not None:  # count the minibatch's groups, as one process does
+                count = torch.tensor([float(skipped_groups)], device=self.device)
+                skipped_groups = int(self.data_parallel.all_reduce_sum_(count).item())
         # log π_θ = log π_old in value at the gradient point. Every rank has the whole minibatch's
         # old/ref/Σπ² (`_share`) and VCPO's norms, so the context is the global one on every rank.
         whole = full.inputs(full.old, rewards, group_ids, lags, norms, num_units)

@@ -9,11 +9,12 @@ saves to OUT.RANK: per objective, the step's metrics, the weights after the step
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
 
-from learner.backends.torch_learner import TorchLearner
+from learner.backends.torch_learner import StepInput, TorchLearner
 from learner.distributed.data_parallel import join_data_parallel_from_env
 from learner.forward.varlen_attention import register_varlen_sdpa
 from tests.learner import megatron_parity
@@ -28,6 +29,8 @@ ALGOS = {
     "dr_grpo_kl": {"objective": {"type": "dr_grpo"}, "group_size": 3, "kl_coef": 0.1},
     "m2po": {"objective": {"type": "m2po", "tau": 0.001}, "group_size": 3},
     "tba": {"objective": {"type": "tba"}, "group_size": 3},
+    "vcpo_degenerate": {"objective": {"type": "vcpo"}, "group_size": 3},
+    "vcpo_reuse_degenerate": {"objective": {"type": "vcpo"}, "group_size": 3},
 }
 """GRPO (group mean and σ), VCPO (per-trajectory norms, OPOB, ESS step size), OTB (the Σπ² statistics
 are shared across ranks too), and the objectives whose loss takes statistics of the whole minibatch
@@ -39,6 +42,22 @@ separate KL pass, Dr. GRPO) use the reference model's log-probs, shared across r
 reference away from the policy so that they have a gradient at the first step."""
 
 
+DEGENERATE_GROUP = 102
+"""In the `*_degenerate` entries this group scores 0 three times. The ranks hold groups 100 / 101 + 102, so
+one rank leaves one of its two groups out of the gradient pass — with the separate proximal pass, and with
+`learner.proximal: reuse` (`vcpo_reuse_degenerate`: its log π_old from a no-grad forward)."""
+
+
+def batch(name: str) -> StepInput:
+    """The parity batch of entry `name` (megatron_parity.parity_batch; a degenerate group where named so)."""
+    step = megatron_parity.parity_batch(KIND)
+    if not name.endswith("_degenerate"):
+        return step
+    pairs = zip(step.trajectories, step.group_ids, strict=True)
+    trajectories = [t.model_copy(update={"reward": 0.0}) if g == DEGENERATE_GROUP else t for t, g in pairs]
+    return dataclasses.replace(step, trajectories=trajectories)
+
+
 def learner(name: str, data_parallel: object, micro_batch_tokens: int = megatron_parity.MICRO_BATCH_TOKENS
             ) -> TorchLearner:
     from configs.schema import AlgoConfig
@@ -46,6 +65,8 @@ def learner(name: str, data_parallel: object, micro_batch_tokens: int = megatron
     model = tiny_model(KIND, attn_implementation=register_varlen_sdpa()).train()
     built = TorchLearner(model, AlgoConfig.model_validate(ALGOS[name]), megatron_parity.OPTIM,
                          micro_batch_tokens=micro_batch_tokens, data_parallel=data_parallel)  # type: ignore[arg-type]
+    if name == "vcpo_reuse_degenerate":
+        built.proximal = "reuse"
     if built.reference is not None:  # the same move on every rank and in the single process
         generator = torch.Generator().manual_seed(11)
         with torch.no_grad():
@@ -58,10 +79,9 @@ def main(out: str) -> None:
     torch.set_num_threads(1)
     data_parallel = join_data_parallel_from_env(torch.device("cpu"))
     assert data_parallel is not None and data_parallel.world_size == 2
-    batch = megatron_parity.parity_batch(KIND)
     results = {}
     for name in ALGOS:
-        record = megatron_parity.run_step(learner(name, data_parallel), batch)
+        record = megatron_parity.run_step(learner(name, data_parallel), batch(name))
         results[name] = {"metrics": record.metrics, "weights": record.weights, "sq_norms": record.sq_norms}
     torch.save(results, f"{out}.{data_parallel.rank}")
     torch.distributed.destroy_process_group()

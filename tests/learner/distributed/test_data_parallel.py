@@ -49,9 +49,10 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 @pytest.mark.parametrize("name", list(dp_worker.ALGOS))
 def test_two_replicas_take_the_single_process_step(replicas: list[dict], name: str) -> None:
-    batch = megatron_parity.parity_batch(dp_worker.KIND)
+    batch = dp_worker.batch(name)
     want = megatron_parity.run_step(dp_worker.learner(name, None, micro_batch_tokens=1_000_000), batch)
-    assert want.metrics["train/micro_batches"] == 1
+    # one micro-batch; under `reuse` a degenerate group is packed apart, into a second
+    assert want.metrics["train/micro_batches"] == (2 if name == "vcpo_reuse_degenerate" else 1)
     rank0, rank1 = replicas[0][name], replicas[1][name]
 
     for key in rank0["weights"]:  # replicas never drift: identical gradients, identical updates
@@ -70,7 +71,11 @@ def test_two_replicas_take_the_single_process_step(replicas: list[dict], name: s
             assert got[key] == pytest.approx(value, rel=METRIC_RTOL, abs=1e-6), key
     assert got["train/micro_batches"] > 1  # the replicas did split the minibatch
 
-    if want.sq_norms is not None:  # VCPO: each rank's norms cover its own groups only
+    if name.endswith("_degenerate"):  # one group left out of the gradient pass, counted once over the ranks
+        assert want.metrics["train/skipped_groups"] == 1 and got["train/skipped_groups"] == 1
+    if want.sq_norms is not None:  # VCPO: each rank's norms cover its own groups only (a skipped one: 0)
         part0, part1 = rank0["sq_norms"], rank1["sq_norms"]
-        assert ((part0 > 0) ^ (part1 > 0)).all() and (part0 > 0).any() and (part1 > 0).any()
+        computed = want.sq_norms > 0
+        assert ((part0 > 0) ^ (part1 > 0))[computed].all() and not (part0 + part1)[~computed].any()
+        assert (part0 > 0).any() and (part1 > 0).any()
         torch.testing.assert_close(part0 + part1, want.sq_norms, rtol=NORM_RTOL, atol=0)
