@@ -25,8 +25,8 @@ groups) averaged over k = 0's steady steps (learner/benchmarks/step_mix.py; None
 a kind k = 0 had), and `mixed_speedup_vs_k0` the speedup on that common mix.
 
 **Two things asynchrony can buy.** Overlap (the learner trains while the engine generates) and batching
-(up to (k + 1) × groups_per_step groups decode together: `gen_tokens_per_s`, tokens per second of
-generation, would rise with k on an engine that had the cores to itself).
+(up to (k + 1) × groups_per_step groups decode together). `gen_tokens_per_s`, tokens per second of
+generation, shows what the engine nets at each k beside the learner.
 
 The most overlap can give (`overlap_bound`, from the k = 0 run's steady steps) is the smaller of
 `by_overlap` = (generate + train + weight sync) ÷ max(generate, train + weight sync), both sides entirely
