@@ -201,7 +201,7 @@ class TorchLearner:
         quiet = [silent is not None and bool(silent[mb.trajectory_indices].all()) for mb in microbatches]
         layouts = self._shared_prompt_layouts(
             microbatches, [own and (not reuse or self.reference is not None or q)
-                           for own, q in zip(mine, quiet, strict=True)], used=True)
+                           for own, q in zip(mine, quiet, strict=True)])
         with torch.no_grad():  # each rank its own micro-batches; zeros stand in for the others' until _share
             if reuse:  # log π_old from the gradient pass's forward (filled in by _vcpo_gradient); a silent
                 # group's from a no-grad forward in the gradient forward's dtype (it has no gradient pass)
@@ -353,13 +353,13 @@ class TorchLearner:
                 values += [logprob for logprob, is_sampled in pairs if is_sampled]
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 
-    def _shared_prompt_layouts(self, microbatches: list[PackedMicroBatch], mine: list[bool], *,
-                               used: bool) -> list[SharedPrefixLayout | None]:
-        """Per micro-batch this rank forwards, its layout with each group's prompt once (`share_prompts`);
-        None where nothing is shared, for other ranks' micro-batches, and when no forward will take one."""
-        if not used or not self.share_prompts or not can_share_prompts(self.model):
+    def _shared_prompt_layouts(self, microbatches: list[PackedMicroBatch],
+                               forwarded: list[bool]) -> list[SharedPrefixLayout | None]:
+        """Per micro-batch, its layout with each group's prompt once (`share_prompts`) where `forwarded`
+        (this rank runs a forward that takes the layout); None where nothing is shared and elsewhere."""
+        if not self.share_prompts or not can_share_prompts(self.model):
             return [None] * len(microbatches)
-        return [share_prefixes(mb) if own else None for mb, own in zip(microbatches, mine, strict=True)]
+        return [share_prefixes(mb) if use else None for mb, use in zip(microbatches, forwarded, strict=True)]
 
     def _logprobs(self, model: nn.Module | None, mb: PackedMicroBatch,
                   layout: SharedPrefixLayout | None = None, *, proximal: bool = True) -> Tensor:
