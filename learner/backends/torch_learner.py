@@ -188,7 +188,9 @@ class TorchLearner:
         group_ids = torch.tensor(list(batch.group_ids), dtype=torch.long, device=self.device)
         lags = torch.tensor(list(batch.lags), dtype=torch.long, device=self.device)
         reuse = self.reuses_gradient_forward
-        silent = self._silent_trajectories(tokens, rewards, group_ids) if reuse else None
+        # VCPO: groups whose gradient is exactly 0 get micro-batches of their own, out of the gradient pass
+        silent = (self._silent_trajectories(tokens, rewards, group_ids) if self.objective.needs_grad_norms
+                  else None)
         ranked = self._pack_ranked(tokens, apart=silent)
         microbatches = [mb for mb, _ in ranked]
         rank = self.data_parallel.rank if self.data_parallel is not None else 0
@@ -225,7 +227,7 @@ class TorchLearner:
         norms, skipped_groups = None, 0
         if self.objective.needs_grad_norms:
             norms, skipped_groups = self._vcpo_gradient(full, rewards, group_ids, mine, reuse=reuse,
-                                                        tokens=tokens, quiet=quiet)
+                                                        quiet=quiet)
             if self.data_parallel is not None:  # count the minibatch's groups, as one process does
                 count = torch.tensor([float(skipped_groups)], device=self.device)
                 skipped_groups = int(self.data_parallel.all_reduce_sum_(count).item())
@@ -321,8 +323,10 @@ class TorchLearner:
         """(B,) bool: the members of groups whose VCPO coefficients a_i, s_i are all exactly 0 whatever the
         IS weights — the trajectories the objective does not keep (`advantage_divisor`: in the spec form the
         degenerate groups' members and those without trained tokens; in the reference form only the latter),
-        grouped so a group is silent only when all its members are. With `learner.proximal: reuse` they are
-        packed apart and get log π_old from a no-grad forward instead of the gradient pass (issue #19)."""
+        grouped so a group is silent only when all its members are. They are packed apart and left out of the
+        gradient pass (issue #19: 69–86% of the default run's groups are degenerate); the proximal pass still
+        forwards them (their IS weights enter the ESS, the step size and the metrics), and with
+        `learner.proximal: reuse` that no-grad forward gives their log π_old."""
         # trained targets: positions 1.. of the loss mask (packing.build_microbatch), as `trained_counts`
         valid = torch.tensor([any(t.loss_mask[1:]) for t in tokens], dtype=torch.bool, device=self.device)
         _, keep = self.objective.advantage_divisor(rewards, valid, index_groups(group_ids))
@@ -430,18 +434,15 @@ class TorchLearner:
 
     def _vcpo_gradient(self, full: _FullBatch, rewards: Tensor, group_ids: Tensor,
                        mine: list[bool], *, reuse: bool = False,
-                       tokens: list[TrajectoryTokens] | None = None,
                        quiet: list[bool] | None = None) -> tuple[Tensor, int]:
         """VCPO's gradient with exact per-trajectory norms (this rank's groups); returns ‖∇ℓ_i‖² (B,) of
         the whole minibatch and how many of this rank's groups the gradient pass left out. With `reuse`,
         `full.old` is filled here from the gradient forwards.
 
-        Without `reuse`, and given the step's `tokens`, a group whose every member has both coefficients
-        exactly 0 (a degenerate group: singleton or all rewards equal) is left out of the gradient pass —
-        it adds exactly nothing to A − b*S whatever its ∇ℓ_i — and its norms are reported as 0
-        (`_gradient_microbatches`). With `reuse`, such groups were packed apart (`quiet` micro-batches)
-        and their log π_old already taken from a no-grad forward (`step`): the gradient pass leaves those
-        micro-batches out."""
+        A group whose every member has both coefficients exactly 0 (a degenerate group in the spec form) was
+        packed apart by `step` (`quiet` micro-batches, `_silent_trajectories`): the gradient pass leaves
+        those micro-batches out — they add exactly nothing to A − b*S whatever their ∇ℓ_i — and reports
+        their norms as 0. With `reuse` their log π_old came from `step`'s no-grad forward."""
         objective = self.objective
         log_w = full.seq_log_ratios()
         counts = full.trained_counts()
@@ -469,12 +470,10 @@ class TorchLearner:
                 packed[mb.trajectory_indices] = True
             reward_coef, baseline_coef = reward_coef * packed, baseline_coef * packed
         skipped = 0
-        if reuse and quiet is not None:  # silent groups' micro-batches: log π_old is in, no gradient pass
+        if quiet is not None:  # silent groups' micro-batches: no gradient pass
             silent = [mb for mb, own, q in zip(full.microbatches, mine, quiet, strict=True) if own and q]
             skipped = len({g for mb in silent for g in group_ids[mb.trajectory_indices].tolist()})
             live = [mb for mb in live if not any(mb is other for other in silent)]
-        elif not reuse and tokens is not None:
-            live, skipped = self._gradient_microbatches(live, tokens, reward_coef, baseline_coef)
         if skipped and not live:  # the gradient is exactly 0: AdamW still steps as on a computed 0
             for parameter in self.model.parameters():
                 if parameter.requires_grad and parameter.grad is None:
@@ -507,27 +506,6 @@ class TorchLearner:
         if self.data_parallel is None:
             return sq_norms, skipped
         return self.data_parallel.all_reduce_sum_(sq_norms.detach().float().clone()), skipped
-
-    def _gradient_microbatches(self, live: list[PackedMicroBatch], tokens: list[TrajectoryTokens],
-                               reward_coefs: Tensor, baseline_coefs: Tensor
-                               ) -> tuple[list[PackedMicroBatch], int]:
-        """`live` (this rank's micro-batches) re-packed without the groups whose members all have
-        a_i = s_i = 0, and how many groups that left out; `live` itself when none. Issue #19: 69–86% of the
-        default run's groups are degenerate (every episode scored the same) — the forward and backward of
-        each would produce norms that weigh nothing and a gradient of exactly 0. The proximal pass still
-        forwards them (their IS weights enter the ESS, the step size and the metrics); the kept groups keep
-        their members' order and the token budget, and stay on this rank."""
-        zero = ((reward_coefs == 0) & (baseline_coefs == 0)).tolist()
-        indices = [i for mb in live for i in mb.trajectory_indices.tolist()]
-        silent: dict[int, bool] = {}
-        for i in indices:
-            group = tokens[i].group_id
-            silent[group] = silent.get(group, True) and zero[i]
-        skipped = sum(silent.values())
-        if not skipped:
-            return live, 0
-        kept = [i for i in indices if not silent[tokens[i].group_id]]
-        return self._pack_indices(tokens, kept, self.micro_batch_tokens), skipped
 
     def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
                          baseline_coefs: Tensor, baseline_fn: BaselineFn) -> Tensor:

@@ -340,7 +340,8 @@ def test_vcpo_leaves_degenerate_groups_out_of_the_gradient_pass_and_the_step_is_
     grads, metrics = capture_grads(skipping), skipping.step(step)
     assert metrics["train/skipped_groups"] == 1 and metrics["train/degenerate_groups"] == 1
     with monkeypatch.context() as patch:  # the same step with every group in the gradient pass
-        patch.setattr(TorchLearner, "_gradient_microbatches", lambda self, live, *args: (live, 0))
+        patch.setattr(TorchLearner, "_silent_trajectories",
+                      lambda self, tokens, *args: torch.zeros(len(tokens), dtype=torch.bool))
         forwarding = _learner(algo, micro_batch_tokens=budget)
         all_grads, all_metrics = capture_grads(forwarding), forwarding.step(step)
     assert all_metrics["train/skipped_groups"] == 0
