@@ -493,7 +493,8 @@ class LearnerBenchConfig(StrictModel):
     2 groups × 8 trajectories of 240 tokens with a shared 150-token prompt and 70 sampled tokens, 2048-
     token micro-batches, VCPO with fast norms). Reports step time and its phases, tokens/s, peak memory,
     model FLOPs/s and their fraction of the matmul peak of the learner's dtype, measured in the same run
-    (a large GEMM), and each backend's speed relative to the torch learner."""
+    (a large GEMM), the torch learner's kernel floor (its own kernels timed alone) and each backend's speed
+    relative to the torch learner."""
 
     backends: list[Literal["torch", "torch-autocast", "megatron"]] = Field(
         default_factory=lambda: ["torch", "torch-autocast", "megatron"])

@@ -15,7 +15,10 @@ fraction of peak (`mfu`) divides model FLOPs/s by the best n×n×n GEMM rate of 
 dtype (bf16 under autocast), measured right after the timed steps in the same process and threads.
 `roofline_fraction` is the share of the step the step's own matmuls would take at the measured peaks
 of the dtypes they run in (the proximal pass included) — how far the implementation is from its
-own matmul bound.
+own matmul bound. `kernel_floor` (`learner/benchmarks/kernel_floor.py`) is a tighter bound: the step's own
+kernels (its products at their shapes, its attention, VCPO's norm Grams, the proximal forward) timed
+alone at the rates they reach here, and `step_over_floor` how far the step is above it; its
+`mfu_at_floor` is the most `mfu` those kernels allow on this host.
 
 The megatron backend needs CUDA (megatron-core hard-codes it) and a process group of TP ranks
 (torchrun for TP > 1); the torch backend runs on CPU or one GPU, in the weights' dtype ('torch')
@@ -42,6 +45,7 @@ import torch
 from configs.schema import AlgoConfig, LearnerBenchConfig, MegatronConfig, OptimConfig
 from learner.backends.torch_learner import StepInput, TorchLearner
 from learner.benchmarks.host import host_description
+from learner.benchmarks.kernel_floor import kernel_floor
 from learner.forward.logprobs import native_bf16
 from rollout.trajectory import Trajectory, TrajectoryVersions
 
@@ -252,6 +256,12 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
     forwarded = 1.0 - float(metrics.get("train/prompt_tokens_shared", 0.0)) / tokens
     proximal_flops = 0.0 if reuses else flops["proximal_forward_flops"] * forwarded
     roofline_s = (proximal_flops / (peaks[dtype] * 1e9) + flops["model_flops"] / (peaks[matmul_dtype] * 1e9))
+    optimizer_s = sum(phases["time/learner_optimizer"]) / steps
+    floor = None if backend == "megatron" else kernel_floor(
+        shape, batch, micro_batch_tokens=micro_batch_tokens, matmul_dtype=getattr(torch, matmul_dtype),
+        weight_dtype=torch_dtype, per_trajectory_norms=objective == "vcpo", separate_proximal=not reuses,
+        share_prompts=share_prompts, optimizer_s=optimizer_s, model_flops=flops["model_flops"],
+        peak_gflops=peaks[matmul_dtype], device=device)
     return {
         "backend": backend, "device": device, "dtype": dtype, "matmul_dtype": matmul_dtype,
         "objective": objective, "proximal": proximal, "reuses_gradient_forward": reuses,
@@ -266,6 +276,7 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
         "model_flops_per_step": flops["model_flops"], "model_gflops_per_s": model_gflops_per_s,
         "matmul_peak_gflops": peaks, "mfu": model_gflops_per_s / peaks[matmul_dtype],
         "roofline_fraction": roofline_s / mean,
+        "kernel_floor": floor, "step_over_floor": None if floor is None else mean / floor["total_s"],
     }
 
 
