@@ -110,6 +110,8 @@ class MicroBatchState:
     gram_cache: dict[tuple[object, ...], tuple[Tensor, Tensor]] = field(default_factory=dict)
     """(input, its Gram matrices) keyed by storage address, shape and segments: shared by layers
     reading the same tensor (q/k/v, gate/up)."""
+    _last_cast: tuple[tuple[object, ...], Tensor, Tensor] | None = None
+    """(key, input, its cast) of the latest `cast_input`."""
     _coefs_host: tuple[tuple[float, float], ...] = ()
     _token_rows: tuple[Segments, Tensor] | None = None
     _target_rows: tuple[Segments, Tensor] | None = None
@@ -157,6 +159,15 @@ class MicroBatchState:
             f"{batch.target_positions.numel()} target positions; this model's layout is not supported by "
             "the packed path, use accumulate_opob_grad_per_trajectory"
         )
+
+    def cast_input(self, source: Tensor, dtype: torch.dtype) -> Tensor:
+        """`source.to(dtype)`, shared by the layers that read one tensor (q/k/v, gate/up under autocast: an
+        fp32 input each would otherwise cast again). Their output gradients arrive one after another in the
+        backward, so only the latest cast is kept (it holds `source`, so the address cannot be reused)."""
+        key = (source.data_ptr(), tuple(source.shape), source.stride(), source._version, dtype)
+        if self._last_cast is None or self._last_cast[0] != key:
+            self._last_cast = (key, source, source.to(dtype))
+        return self._last_cast[2]
 
     def unique_inputs(self) -> UniqueInputs:
         """Distinct (trajectory, input token) pairs, computed once per micro-batch."""
@@ -255,7 +266,7 @@ class _Hooked:
         if self._x.dtype != self._delta.dtype and self._x.is_floating_point():
             # Under autocast the module computed in the output's dtype (e.g. bf16 from an fp32
             # residual stream): the weight gradient is taken in that dtype too, as autograd's would be.
-            self._x = self._x.to(self._delta.dtype)
+            self._x = self.state.cast_input(self._x, self._delta.dtype)
         self.on_backward(self._delta, self._x.reshape(-1, self._x.shape[-1]))
         self._source = None  # a Gram cache entry that needs it holds its own reference
 

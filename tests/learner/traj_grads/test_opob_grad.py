@@ -297,3 +297,32 @@ def test_casting_weights_once_per_pass_changes_no_bit_and_restores_the_masters(
     assert torch.equal(once.sq_norms, per_use.sq_norms)
     for name, param in model.named_parameters():
         assert torch.equal(grads_once[name], param.grad), name
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2"])
+def test_layers_reading_one_input_share_its_cast_and_change_no_bit(
+    kind: str, trajectories: list[TrajectoryTokens], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under autocast, q/k/v (and gate/up) read one fp32 tensor: the hooks cast it to bf16 once for the
+    three of them, not once per layer — the same rounding, so the same gradient and norms bit for bit."""
+    model = tiny_model(kind)
+    casts: list[Tensor] = []
+    shared_cast = handlers.MicroBatchState.cast_input
+
+    def spy(self: handlers.MicroBatchState, source: Tensor, dtype: torch.dtype) -> Tensor:
+        casts.append(shared_cast(self, source, dtype))
+        return casts[-1]
+
+    monkeypatch.setattr(handlers.MicroBatchState, "cast_input", spy)
+    shared = _run("packed", model, trajectories, max_tokens=50, autocast_dtype=torch.bfloat16)
+    grads_shared = {name: param.grad.clone() for name, param in model.named_parameters()}
+    layers, micro_batches = model.config.num_hidden_layers, len(pack_trajectories(trajectories, 50))
+    # per layer q/k/v share one cast and gate/up another; the head reads the final norm's output
+    assert len(casts) == micro_batches * (5 * layers + 1)
+    assert len({id(cast) for cast in casts}) == micro_batches * (2 * layers + 1)
+    assert all(cast.dtype == torch.bfloat16 for cast in casts)
+    monkeypatch.setattr(handlers.MicroBatchState, "cast_input", lambda self, source, dtype: source.to(dtype))
+    per_layer = _run("packed", model, trajectories, max_tokens=50, autocast_dtype=torch.bfloat16)
+    assert torch.equal(shared.sq_norms, per_layer.sq_norms)
+    for name, param in model.named_parameters():
+        assert torch.equal(grads_shared[name], param.grad), name
