@@ -121,7 +121,9 @@ def varlen_sdpa_attention(
             torch.cat([values[root][:, :, :segment.prefix], values[i]], dim=2),
             attn_mask=_branch_mask(lengths[i], segment.prefix, query.device),
             dropout_p=dropout, scale=scaling))
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+    # Concatenated along the token dimension of the (1, T, H, d) layout HF expects: one copy, where a
+    # concatenation in (1, H, T, d) and then `.transpose(1, 2).contiguous()` would make two.
+    return torch.cat([output.transpose(1, 2) for output in outputs], dim=1), None
 
 
 def register_varlen_sdpa() -> str:
