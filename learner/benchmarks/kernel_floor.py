@@ -29,15 +29,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from learner.benchmarks.workload import BenchBatch, BenchShape
 from learner.forward.packing import SHARED_PREFIX_MIN_TOKENS, plan_microbatches
-
-if TYPE_CHECKING:  # learner_step imports this module
-    from learner.benchmarks.learner_step import BenchBatch, BenchShape
 
 
 def _best_seconds(run: Callable[[], object], device: str, repeats: int) -> float:

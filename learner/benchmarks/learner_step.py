@@ -36,7 +36,7 @@ import random
 import resource
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,34 +46,9 @@ from configs.schema import AlgoConfig, LearnerBenchConfig, MegatronConfig, Optim
 from learner.backends.torch_learner import StepInput, TorchLearner
 from learner.benchmarks.host import host_description
 from learner.benchmarks.kernel_floor import kernel_floor
+from learner.benchmarks.workload import BenchBatch, BenchShape
 from learner.forward.logprobs import native_bf16
 from rollout.trajectory import Trajectory, TrajectoryVersions
-
-
-@dataclass(frozen=True)
-class BenchShape:
-    """A random model's architecture (HF config fields)."""
-
-    kind: Literal["llama", "qwen2"] = "llama"
-    vocab_size: int = 49152
-    hidden_size: int = 576
-    intermediate_size: int = 1536
-    num_hidden_layers: int = 30
-    num_attention_heads: int = 9
-    num_key_value_heads: int = 3
-    """Defaults: SmolLM2-135M's shape."""
-
-
-@dataclass(frozen=True)
-class BenchBatch:
-    """The timed minibatch: groups × group_size trajectories of `tokens` tokens; the first `prompt` are
-    the same for a group's members, the last `sampled` are trained."""
-
-    groups: int = 2
-    group_size: int = 8
-    tokens: int = 240
-    sampled: int = 70
-    prompt: int = 0
 
 
 def write_random_checkpoint(shape: BenchShape, out_dir: Path, seed: int = 0) -> Path:

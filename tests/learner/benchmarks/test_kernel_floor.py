@@ -8,7 +8,7 @@ import torch
 
 from learner.benchmarks import kernel_floor as floor_module
 from learner.benchmarks.kernel_floor import kernel_floor
-from learner.benchmarks.learner_step import BenchBatch, BenchShape
+from learner.benchmarks.workload import BenchBatch, BenchShape
 
 SHAPE = BenchShape(kind="llama", vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
                    num_attention_heads=4, num_key_value_heads=2)

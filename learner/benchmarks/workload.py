@@ -1,0 +1,33 @@
+"""The model shape and the minibatch `vcpo bench learner` times (`BenchShape`, `BenchBatch`), apart from the
+bench so that the kernel floor (`kernel_floor.py`) can describe the same step without importing it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """A random model's architecture (HF config fields)."""
+
+    kind: Literal["llama", "qwen2"] = "llama"
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    """Defaults: SmolLM2-135M's shape."""
+
+
+@dataclass(frozen=True)
+class BenchBatch:
+    """The timed minibatch: groups × group_size trajectories of `tokens` tokens; the first `prompt` are
+    the same for a group's members, the last `sampled` are trained."""
+
+    groups: int = 2
+    group_size: int = 8
+    tokens: int = 240
+    sampled: int = 70
+    prompt: int = 0
