@@ -36,9 +36,10 @@ import torch.nn.functional as F
 
 from learner.benchmarks.workload import BenchBatch, BenchShape
 from learner.forward.packing import SHARED_PREFIX_MIN_TOKENS, plan_microbatches
+from learner.forward.varlen_attention import branch_mask
 
 
-def _best_seconds(run: Callable[[], object], device: str, repeats: int) -> float:
+def best_seconds(run: Callable[[], object], device: str, repeats: int) -> float:
     """Best wall time of `run` over `repeats` calls after one warm-up (the host's speed swings)."""
     best = math.inf
     for attempt in range(repeats + 1):
@@ -62,7 +63,7 @@ class _KernelTimer:
 
     def _timed(self, key: tuple[object, ...], make: Callable[[], Callable[[], object]]) -> float:
         if key not in self._seen:
-            self._seen[key] = _best_seconds(make(), self.device, self.repeats)
+            self._seen[key] = best_seconds(make(), self.device, self.repeats)
         return self._seen[key]
 
     def mm(self, rows: int, inner: int, cols: int, dtype: torch.dtype) -> float:
@@ -90,11 +91,9 @@ class _KernelTimer:
                 return torch.randn(1, heads, length, head_dim, device=self.device, dtype=dtype,
                                    requires_grad=backward)
             q, k, v = tensor(queries), tensor(keys), tensor(keys)
-            mask = None
-            if queries != keys:  # a shared-prompt branch: every prefix key, then causal within the branch
-                own = torch.ones(queries, queries, dtype=torch.bool, device=self.device).tril()
-                prefix = torch.ones(queries, keys - queries, dtype=torch.bool, device=self.device)
-                mask = torch.cat([prefix, own], dim=1)
+            # a shared-prompt branch: every prefix key, then causal within the branch
+            prefix = keys - queries
+            mask = branch_mask(queries, prefix, torch.device(self.device)) if prefix else None
             grad = torch.randn(1, heads, queries, head_dim, device=self.device, dtype=dtype)
 
             def run() -> None:
@@ -123,14 +122,11 @@ def kernel_floor(shape: BenchShape, batch: BenchBatch, *, micro_batch_tokens: in
     The gradient pass forwards a group's prompt once only where no per-trajectory norm needs each
     trajectory's own activations (`share_prompts` and not `per_trajectory_norms`), as the learner does."""
     timer = _KernelTimer(device, repeats)
-    hidden, inner, layers, heads = (shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers,
-                                    shape.num_attention_heads)
+    hidden, layers, heads = shape.hidden_size, shape.num_hidden_layers, shape.num_attention_heads
     head_dim = hidden // heads
-    q_width, kv_width = heads * head_dim, shape.num_key_value_heads * head_dim
-    linears = [(hidden, q_width), (hidden, kv_width), (hidden, kv_width), (q_width, hidden),
-               (hidden, inner), (hidden, inner), (inner, hidden)]
-    # the norms' Grams: each distinct layer input (q/k/v and gate/up share theirs), then each output
-    gram_widths = [hidden, q_width, hidden, inner, *(out for _, out in linears)]
+    linears = shape.body_linears()
+    # the norms' Grams: each distinct layer input (q/k/v share the first, gate/up the fifth), then each output
+    gram_widths = [*(linears[i][0] for i in (0, 3, 4, 6)), *(out for _, out in linears)]
     tokens, group_size = batch.tokens, batch.group_size
     size = batch.groups * group_size
     plans = plan_microbatches([tokens] * size, [i // group_size for i in range(size)], micro_batch_tokens)

@@ -45,7 +45,7 @@ import torch
 from configs.schema import AlgoConfig, LearnerBenchConfig, MegatronConfig, OptimConfig
 from learner.backends.torch_learner import StepInput, TorchLearner
 from learner.benchmarks.host import host_description
-from learner.benchmarks.kernel_floor import kernel_floor
+from learner.benchmarks.kernel_floor import best_seconds, kernel_floor
 from learner.benchmarks.workload import BenchBatch, BenchShape
 from learner.forward.logprobs import native_bf16
 from rollout.trajectory import Trajectory, TrajectoryVersions
@@ -88,11 +88,8 @@ def random_batch(batch: BenchBatch, vocab_size: int, seed: int = 0) -> StepInput
 def _linear_parameters(shape: BenchShape) -> tuple[int, int]:
     """(body, head): weights of the body's linear layers (attention and MLP, all layers) and of the
     output head, as HF Llama/Qwen2 lay them out (biases ignored: negligible)."""
-    head_dim = shape.hidden_size // shape.num_attention_heads
-    q, kv = shape.num_attention_heads * head_dim, shape.num_key_value_heads * head_dim
-    attention = shape.hidden_size * (q + 2 * kv) + q * shape.hidden_size
-    mlp = 3 * shape.hidden_size * shape.intermediate_size
-    return shape.num_hidden_layers * (attention + mlp), shape.vocab_size * shape.hidden_size
+    layer = sum(i * o for i, o in shape.body_linears())
+    return shape.num_hidden_layers * layer, shape.vocab_size * shape.hidden_size
 
 
 def model_flops(shape: BenchShape, batch: BenchBatch) -> dict[str, float]:
@@ -118,17 +115,7 @@ def matmul_peak_gflops(dtype: torch.dtype, device: str, size: int = 4096, repeat
     2048³ product here, minutes apart): the peak is what the hardware can do, not what it did once."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    best = math.inf
-    for attempt in range(repeats + 1):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        torch.mm(a, b)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        if attempt:
-            best = min(best, time.perf_counter() - started)
-    return 2.0 * size**3 / best / 1e9
+    return 2.0 * size**3 / best_seconds(lambda: torch.mm(a, b), device, repeats) / 1e9
 
 
 def unsupported_reason(backend: str, device: str, dtype: str) -> str | None:

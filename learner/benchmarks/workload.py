@@ -20,6 +20,15 @@ class BenchShape:
     num_key_value_heads: int = 3
     """Defaults: SmolLM2-135M's shape."""
 
+    def body_linears(self) -> list[tuple[int, int]]:
+        """(in, out) of one decoder layer's linear layers, as HF Llama/Qwen2 lay them out: q, k, v, o, gate,
+        up, down (biases ignored)."""
+        head_dim = self.hidden_size // self.num_attention_heads
+        q, kv = self.num_attention_heads * head_dim, self.num_key_value_heads * head_dim
+        hidden, inner = self.hidden_size, self.intermediate_size
+        return [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inner), (hidden, inner),
+                (inner, hidden)]
+
 
 @dataclass(frozen=True)
 class BenchBatch:

@@ -67,7 +67,7 @@ def attention_segments(position_ids: Tensor) -> list[AttentionSegment]:
     return segments
 
 
-def _branch_mask(queries: int, prefix: int, device: torch.device) -> Tensor:
+def branch_mask(queries: int, prefix: int, device: torch.device) -> Tensor:
     """(queries, prefix + queries) bool: every prefix key, then causal within the branch."""
     own = torch.ones(queries, queries, dtype=torch.bool, device=device).tril()
     return torch.cat([torch.ones(queries, prefix, dtype=torch.bool, device=device), own], dim=1)
@@ -119,7 +119,7 @@ def varlen_sdpa_attention(
             queries[i],
             torch.cat([keys[root][:, :, :segment.prefix], keys[i]], dim=2),
             torch.cat([values[root][:, :, :segment.prefix], values[i]], dim=2),
-            attn_mask=_branch_mask(lengths[i], segment.prefix, query.device),
+            attn_mask=branch_mask(lengths[i], segment.prefix, query.device),
             dropout_p=dropout, scale=scaling))
     # Concatenated along the token dimension of the (1, T, H, d) layout HF expects: one copy, where a
     # concatenation in (1, H, T, d) and then `.transpose(1, 2).contiguous()` would make two.

@@ -93,13 +93,13 @@ def test_a_prompt_too_short_to_share_is_forwarded_by_every_trajectory(
 
 def test_the_real_timer_times_each_kernel_shape_once(monkeypatch: pytest.MonkeyPatch) -> None:
     timed: list[int] = []
-    real = floor_module._best_seconds
+    real = floor_module.best_seconds
 
     def counted(run: object, device: str, repeats: int) -> float:
         timed.append(1)
         return real(run, device, repeats)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(floor_module, "_best_seconds", counted)
+    monkeypatch.setattr(floor_module, "best_seconds", counted)
     calls = {}
     for groups in (1, 2):  # two micro-batches of the same shapes time nothing more than one
         timed.clear()
