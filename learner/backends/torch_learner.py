@@ -29,6 +29,7 @@ the objective needs it). Blocking: `step` is synchronous; the trainer runs it on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -44,6 +45,7 @@ from torch import Tensor, nn
 from configs.schema import AlgoConfig, OptimConfig
 from learner.backends.algorithm import build_lr_scale_rule, build_objective
 from learner.distributed.data_parallel import DataParallel, assign_groups
+from learner.forward.fused_layers import FusedElementwise, compiler_problem
 from learner.forward.logprobs import autocast, can_share_prompts, packed_target_logprobs, packed_target_stats
 from learner.forward.packing import (
     PackedMicroBatch,
@@ -99,7 +101,7 @@ class TorchLearner:
                  temperature: float = 1.0, autocast_dtype: torch.dtype | None = None,
                  autocast_proximal: bool = False, data_parallel: DataParallel | None = None,
                  proximal: Literal["separate", "reuse", "auto"] = "separate",
-                 share_prompts: bool = False) -> None:
+                 share_prompts: bool = False, fused_elementwise: bool = False) -> None:
         self.model = model.train()
         self.data_parallel = data_parallel
         """None: one process. Else this replica's rank among the data-parallel ones (module docstring)."""
@@ -115,6 +117,14 @@ class TorchLearner:
         """Forward a group's common prompt once (`learner.share_prompts`) wherever no hook needs each
         trajectory's own activations: the proximal, reference and OTB passes and the autograd gradient
         forward of objectives without per-trajectory norms (and of VCPO's KL term)."""
+        self.fused = None
+        """With `fused_elementwise`: the gradient forwards' RMSNorm, rotary and SiLU·up as fused kernels
+        (learner/forward/fused_layers.py); the proximal pass keeps HF's eager code."""
+        if fused_elementwise:
+            problem = compiler_problem(next(model.parameters()).device)
+            if problem is not None:
+                raise ValueError(f"learner.fused_elementwise: {problem}")
+            self.fused = FusedElementwise(model)
         self.algo, self.optim_config = algo, optim
         self.objective = build_objective(algo)
         self.lr_rule = build_lr_scale_rule(algo)
@@ -225,20 +235,21 @@ class TorchLearner:
         full = _FullBatch(microbatches, size, old, behavior, ref, self.device, sum_sq, layouts)
         num_units = full.num_units(self.objective.loss_aggregation)
         norms, skipped_groups = None, 0
-        if self.objective.needs_grad_norms:
-            norms, skipped_groups = self._vcpo_gradient(full, rewards, group_ids, mine, reuse=reuse,
-                                                        quiet=quiet)
-            if self.data_parallel is not None:  # count the minibatch's groups, as one process does
-                count = torch.tensor([float(skipped_groups)], device=self.device)
-                skipped_groups = int(self.data_parallel.all_reduce_sum_(count).item())
-        # log π_θ = log π_old in value at the gradient point. Every rank has the whole minibatch's
-        # old/ref/Σπ² (`_share`) and VCPO's norms, so the context is the global one on every rank.
-        whole = full.inputs(full.old, rewards, group_ids, lags, norms, num_units)
-        context = self.objective.batch_context(whole)
-        if self.objective.needs_grad_norms:
-            self._regularizer_gradient(full, context, rewards, group_ids, lags, mine)
-        else:
-            self._objective_gradient(full, context, rewards, group_ids, lags, mine)
+        with self._gradient_forwards():  # the fused kernels, where on, for every gradient forward
+            if self.objective.needs_grad_norms:
+                norms, skipped_groups = self._vcpo_gradient(full, rewards, group_ids, mine, reuse=reuse,
+                                                            quiet=quiet)
+                if self.data_parallel is not None:  # count the minibatch's groups, as one process does
+                    count = torch.tensor([float(skipped_groups)], device=self.device)
+                    skipped_groups = int(self.data_parallel.all_reduce_sum_(count).item())
+            # log π_θ = log π_old in value at the gradient point. Every rank has the whole minibatch's
+            # old/ref/Σπ² (`_share`) and VCPO's norms, so the context is the global one on every rank.
+            whole = full.inputs(full.old, rewards, group_ids, lags, norms, num_units)
+            context = self.objective.batch_context(whole)
+            if self.objective.needs_grad_norms:
+                self._regularizer_gradient(full, context, rewards, group_ids, lags, mine)
+            else:
+                self._objective_gradient(full, context, rewards, group_ids, lags, mine)
         with torch.no_grad():
             output = self.objective(whole, context)
             lr_scale = self.lr_rule(StepSizeInputs(output.log_is_weights, output.valid, lags))
@@ -371,8 +382,14 @@ class TorchLearner:
         `layout`: the micro-batch with its groups' prompts shared."""
         if mb.target_positions.numel() == 0:
             return torch.zeros(0, device=self.device)
-        with autocast(self.device, self._forward_dtype(proximal)):
+        gradient_forward = not proximal and model is self.model
+        fused = self._gradient_forwards() if gradient_forward else contextlib.nullcontext()
+        with fused, autocast(self.device, self._forward_dtype(proximal)):
             return packed_target_logprobs(model, mb, temperature=self.temperature, layout=layout)
+
+    def _gradient_forwards(self) -> contextlib.AbstractContextManager[object]:
+        """The model's fused elementwise kernels while active (`fused_elementwise`; nests), else nothing."""
+        return self.fused if self.fused is not None else contextlib.nullcontext()
 
     def _target_stats(self, mb: PackedMicroBatch, layout: SharedPrefixLayout | None) -> tuple[Tensor, Tensor]:
         if mb.target_positions.numel() == 0:

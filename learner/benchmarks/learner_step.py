@@ -129,7 +129,7 @@ def unsupported_reason(backend: str, device: str, dtype: str) -> str | None:
 
 def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: torch.dtype,
            micro_batch_tokens: int, megatron: MegatronConfig, proximal: str = "auto",
-           share_prompts: bool = True) -> TorchLearner:
+           share_prompts: bool = True, fused_elementwise: bool = False) -> TorchLearner:
     optim = OptimConfig(lr=1e-6)
     if backend in ("torch", "torch-autocast"):
         from transformers import AutoModelForCausalLM
@@ -145,7 +145,8 @@ def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: tor
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
         model.set_attn_implementation(register_varlen_sdpa())
         return TorchLearner(model, algo, optim, micro_batch_tokens=micro_batch_tokens,
-                            autocast_dtype=autocast, proximal=proximal, share_prompts=share_prompts)
+                            autocast_dtype=autocast, proximal=proximal, share_prompts=share_prompts,
+                            fused_elementwise=fused_elementwise)
     if not device.startswith("cuda"):
         raise ValueError("the megatron learner benchmark needs CUDA (megatron-core hard-codes torch.cuda); "
                          "use device='cuda' or backend='torch'")
@@ -171,20 +172,21 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
                   objective: Literal["grpo", "vcpo"] = "grpo",
                   dtype: Literal["float32", "bfloat16"] = "float32", micro_batch_tokens: int = 4096,
                   steps: int = 3, warmup: int = 1, megatron: MegatronConfig | None = None,
-                  proximal: str = "auto", share_prompts: bool = True, peak_gemm_size: int = 4096,
-                  seed: int = 0) -> dict[str, Any]:
+                  proximal: str = "auto", share_prompts: bool = True, fused_elementwise: bool = False,
+                  peak_gemm_size: int = 4096, seed: int = 0) -> dict[str, Any]:
     """Time `steps` learner steps (after `warmup`) on one random batch; a JSON-able dict of the results.
 
     `peak_memory_mib`: CUDA peak allocated bytes on GPUs; on CPU the process's peak RSS (includes
     everything the process ever held, e.g. the checkpoint written at the start).
     """
     shape, batch = shape or BenchShape(), batch or BenchBatch()
+    fused_elementwise = fused_elementwise and backend != "megatron"  # a torch-learner option
     algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": batch.group_size})
     torch_dtype = getattr(torch, dtype)
     with tempfile.TemporaryDirectory(prefix="vcpo-bench-learner-") as tmp:
         hf_dir = write_random_checkpoint(shape, Path(tmp) / "model", seed)
         learner = _build(backend, hf_dir, device, algo, torch_dtype, micro_batch_tokens,
-                         megatron or MegatronConfig(), proximal, share_prompts)
+                         megatron or MegatronConfig(), proximal, share_prompts, fused_elementwise)
     step_input = random_batch(batch, shape.vocab_size, seed)
     matmul_dtype = "bfloat16" if backend == "torch-autocast" else dtype
     matmul_dtypes = dict.fromkeys([matmul_dtype, dtype])
@@ -227,7 +229,7 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
     return {
         "backend": backend, "device": device, "dtype": dtype, "matmul_dtype": matmul_dtype,
         "objective": objective, "proximal": proximal, "reuses_gradient_forward": reuses,
-        "share_prompts": share_prompts,
+        "share_prompts": share_prompts, "fused_elementwise": fused_elementwise,
         "prompt_tokens_shared_per_step": float(metrics.get("train/prompt_tokens_shared", 0.0)),
         "shape": asdict(shape), "batch": asdict(batch), "micro_batch_tokens": micro_batch_tokens,
         "parameters_on_rank": sum(p.numel() for p in learner.model.parameters()),
@@ -265,6 +267,7 @@ def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
                                              micro_batch_tokens=config.micro_batch_tokens, steps=config.steps,
                                              warmup=config.warmup, proximal=config.proximal,
                                              share_prompts=config.share_prompts,
+                                             fused_elementwise=config.fused_elementwise,
                                              peak_gemm_size=config.peak_gemm_size)
         except (ValueError, RuntimeError, ImportError) as exc:
             results[backend] = {"backend": backend, "device": device, "error": f"{type(exc).__name__}: {exc}"}

@@ -99,9 +99,12 @@ def varlen_sdpa_attention(
             f"{VARLEN_SDPA} handles only packed training forwards (batch 1, position_ids, no mask, no KV "
             "cache); use attn_implementation='sdpa' for generation or padded batches"
         )
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # HF's repeat_kv order: each KV head serves `groups` consecutive query heads
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    # HF's repeat_kv order: each KV head serves consecutive query heads. Key and value each by their own
+    # count: the fused rotary (learner/forward/fused_layers.py) hands over a key already repeated.
+    if key.shape[1] < query.shape[1]:
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    if value.shape[1] < query.shape[1]:
+        value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
     segments = attention_segments(position_ids)
     # Split, not slice: the backward of a split is one concatenation of the segments' gradients, while
     # every slice's backward fills a zero tensor of the whole row and adds it in (per segment, per layer).

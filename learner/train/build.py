@@ -62,6 +62,7 @@ def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Torch
                         autocast_dtype=autocast,
                         autocast_proximal=config.learner.autocast_proximal,
                         proximal=config.learner.proximal, share_prompts=config.learner.share_prompts,
+                        fused_elementwise=config.learner.fused_elementwise,
                         data_parallel=join_data_parallel_from_env(device))
 
 

@@ -406,11 +406,6 @@ def _apply_per_trajectory(
         state.buffers.add(group_id, param, (state.baseline_coefs[index] @ flat[index]).reshape(param.shape))
 
 
-RMS_NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
-"""HF norms computing `weight * (x / sqrt(mean(x²) + variance_epsilon))` (the cast back to the input
-dtype before the scale included). Another class with that exact forward can be added here."""
-
-
 class RMSNormHandler(_Hooked):
     """Per-trajectory `Σ_t δ_t ⊙ x̂_t` of an RMSNorm weight, recomputing `x̂` from the saved input."""
 

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from learner.forward.fused_layers import RMS_NORM_CLASSES
 from learner.forward.logprobs import autocast, packed_target_logprobs
 from learner.traj_grads.handlers import (
-    RMS_NORM_CLASSES,
     ApplyPlan,
     EmbeddingHandler,
     LinearHandler,
