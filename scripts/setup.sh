@@ -32,6 +32,18 @@ if [ "$(uname -s)" = Linux ] && ! "$PY" learner/launch/allocator.py; then
   fi
 fi
 
+# --- a C++ compiler: torch.compile builds the learner's fused kernels with it on CPU
+# (learner.fused_elementwise, on in configs/default.yaml; learner/forward/fused_layers.py).
+if ! command -v g++ >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing g++ (apt-get)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null) \
+      || echo "[setup] WARNING: could not install g++; set learner.fused_elementwise: false" >&2
+  else
+    echo "[setup] note: no C++ compiler; 'sudo apt-get install g++', or set learner.fused_elementwise: false" >&2
+  fi
+fi
+
 # --- python environment
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
