@@ -183,6 +183,22 @@ class MicroBatchState:
         return self._unique
 
 
+class _SharedCast(torch.autograd.Function):
+    """`source` as the already-cast `cast` in the forward; in the backward the gradient cast back to
+    `source`'s dtype — autocast's cast and its backward, with one cast shared by several readers. Each
+    reader gets its own node, so their gradients reach `source` cast one by one and are summed in its
+    dtype, as after separate autocast casts (summing them in the cast dtype first would round more)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, source: Tensor, cast: Tensor) -> Tensor:
+        ctx.source_dtype = source.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad.to(ctx.source_dtype), None
+
+
 def _sq_norm(t: Tensor) -> Tensor:
     """`‖t‖²` accumulated in fp32 (a 0-dim tensor; no host sync)."""
     flat = t.reshape(-1).float()
@@ -287,6 +303,19 @@ class LinearHandler(_Hooked):
         self.bias = module.bias if module.bias is not None and module.bias.requires_grad else None
         self.tied = tied
         self.clear()
+
+    def forward_pre_hook(self, module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
+        """Under autocast, hand the layer its fp32 input already cast to the autocast dtype: layers that
+        read one tensor (q/k/v, gate/up) share one cast of it (`MicroBatchState.cast_input`) where autocast
+        would cast it once per layer, and the output-gradient hook has the cast it needs at hand. The same
+        rounding, so the same forward and — `_SharedCast` — the same gradients bit for bit."""
+        if self._state is None or not args:
+            return None
+        x, device = args[0], args[0].device.type
+        if x.dtype != torch.float32 or not torch.is_autocast_enabled(device):
+            return None
+        cast = self.state.cast_input(x, torch.get_autocast_dtype(device))
+        return (_SharedCast.apply(x, cast), *args[1:])
 
     def clear(self) -> None:
         self._gram: list[int] = []

@@ -114,6 +114,8 @@ class PackedGradHooks:
                 param.requires_grad_(False)
             for module, handler in self.hooked:
                 self._handles.append(module.register_forward_hook(handler.forward_hook))
+                if self.autocast_dtype is not None and isinstance(handler, LinearHandler):
+                    self._handles.append(module.register_forward_pre_hook(handler.forward_pre_hook))
             self._cast_linear_weights()
         except BaseException:
             self._restore()

@@ -300,6 +300,28 @@ def test_casting_weights_once_per_pass_changes_no_bit_and_restores_the_masters(
 
 
 @pytest.mark.parametrize("kind", ["llama_tied", "qwen2"])
+def test_the_shared_forward_cast_is_autocasts_own_bit_for_bit(
+    kind: str, trajectories: list[TrajectoryTokens], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pre-hooks hand q/k/v and gate/up one bf16 cast of their fp32 input instead of letting autocast
+    cast it per layer: gradients and norms equal autocast's own bit for bit (each reader's gradient is cast
+    back to fp32 before they are summed, as after separate casts), and the layers did get bf16 inputs."""
+    model = tiny_model(kind)
+    seen: list[torch.dtype] = []
+    handle = model.model.layers[0].self_attn.k_proj.register_forward_hook(
+        lambda module, args, output: seen.append(args[0].dtype))
+    shared = _run("packed", model, trajectories, max_tokens=50, autocast_dtype=torch.bfloat16)
+    handle.remove()
+    grads_shared = {name: param.grad.clone() for name, param in model.named_parameters()}
+    assert seen and set(seen) == {torch.bfloat16}
+    monkeypatch.setattr(handlers.LinearHandler, "forward_pre_hook", lambda self, module, args: None)
+    per_layer = _run("packed", model, trajectories, max_tokens=50, autocast_dtype=torch.bfloat16)
+    assert torch.equal(shared.sq_norms, per_layer.sq_norms)
+    for name, param in model.named_parameters():
+        assert torch.equal(grads_shared[name], param.grad), name
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2"])
 def test_layers_reading_one_input_share_its_cast_and_change_no_bit(
     kind: str, trajectories: list[TrajectoryTokens], monkeypatch: pytest.MonkeyPatch
 ) -> None:
