@@ -131,12 +131,14 @@ def _step_input(seed: int = 4) -> StepInput:
     return StepInput(trajectories, [t.group_id for t in tokens], [1] * size, [True] * size)
 
 
-@pytest.mark.parametrize("proximal", ["separate", "reuse"])
-def test_learner_step_with_fused_kernels(proximal: str) -> None:
-    """The fused gradient pass gives the eager one's gradient within bf16 noise; with a separate
-    proximal pass every IS statistic is bit-identical (that pass never uses the fused kernels), and the
-    model has its own forwards back after the step."""
-    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo"}, "group_size": 3})
+@pytest.mark.parametrize(("objective", "proximal"),
+                         [("vcpo", "separate"), ("vcpo", "reuse"), ("grpo", "separate")])
+def test_learner_step_with_fused_kernels(objective: str, proximal: str) -> None:
+    """The fused gradient pass gives the eager one's gradient within bf16 noise (VCPO's hooked pass and
+    GRPO's autograd one, whose RMSNorm weight gradients come from the compiled backward); with a
+    separate proximal pass every IS statistic is bit-identical (that pass never uses the fused kernels),
+    and the model has its own forwards back after the step."""
+    algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": 3})
     varlen = register_varlen_sdpa()
     learners = [TorchLearner(tiny_model("llama_tied", attn_implementation=varlen, seed=5).train(),
                              algo, OptimConfig(lr=1e-3), micro_batch_tokens=64, autocast_dtype=torch.bfloat16,
