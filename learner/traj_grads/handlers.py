@@ -162,8 +162,9 @@ class MicroBatchState:
 
     def cast_input(self, source: Tensor, dtype: torch.dtype) -> Tensor:
         """`source.to(dtype)`, shared by the layers that read one tensor (q/k/v, gate/up under autocast: an
-        fp32 input each would otherwise cast again). Their output gradients arrive one after another in the
-        backward, so only the latest cast is kept (it holds `source`, so the address cannot be reused)."""
+        fp32 input each would otherwise cast again). They run one after another (their forward pre-hooks,
+        `LinearHandler.forward_pre_hook`), so only the latest cast is kept (it holds `source`, so the
+        address cannot be reused); a miss only casts again."""
         key = (source.data_ptr(), tuple(source.shape), source.stride(), source._version, dtype)
         if self._last_cast is None or self._last_cast[0] != key:
             self._last_cast = (key, source, source.to(dtype))
@@ -248,8 +249,9 @@ class _Hooked:
         self._state: MicroBatchState | None = None
         self._x: Tensor | None = None
         self._source: Tensor | None = None
-        """The forward input as the module received it (before an autocast cast): layers reading one
-        tensor (q/k/v, gate/up) share its Gram matrices, keyed by its address."""
+        """The forward input as the module received it (under autocast the shared cast
+        `forward_pre_hook` handed it): layers reading one tensor (q/k/v, gate/up) share its Gram
+        matrices, keyed by its address."""
         self._delta: Tensor | None = None
 
     @property

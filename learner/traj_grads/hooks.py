@@ -2,7 +2,8 @@
 
 `PackedGradHooks` is a context manager. On entry it checks that every trainable parameter has a
 handler (`nn.Linear`, the input `nn.Embedding`, the RMSNorms of `RMS_NORM_CLASSES`), sets
-`requires_grad=False` on all of them and registers forward hooks. The backward then starts at
+`requires_grad=False` on all of them and registers forward hooks (under autocast also pre-hooks that
+hand layers reading one fp32 tensor one shared cast of it). The backward then starts at
 a detached copy of the embedding output that requires grad: autograd computes only input
 gradients (`δ`), never a weight gradient, and the handlers build the weight gradients
 themselves — so the weight-gradient work is not done twice. On exit — also after an exception —
