@@ -512,9 +512,9 @@ class LearnerBenchConfig(StrictModel):
     share_prompts: bool = True
     """Forward each group's common prompt once where no per-trajectory hook needs it
     (`learner.share_prompts`; the run's default). False: every trajectory forwards its whole prompt."""
-    fused_elementwise: bool = False
+    fused_elementwise: bool | Literal["auto"] = False
     """The torch learners' gradient forward with fused RMSNorm, rotary and SiLU·up kernels
-    (`learner.fused_elementwise`)."""
+    (`learner.fused_elementwise`; 'auto': where torch.compile can build them)."""
     kind: Literal["llama", "qwen2"] = "llama"
     """Architecture of the random model."""
     hidden_size: int = Field(576, ge=8)
@@ -710,13 +710,15 @@ class LearnerConfig(StrictModel):
     `share_prefixes`). The same log-probs up to float summation order; in the default run about half
     the tokens are prompt. Torch backend only (its varlen attention); false: every trajectory forwards
     its whole prompt."""
-    fused_elementwise: bool = False
+    fused_elementwise: bool | Literal["auto"] = False
     """Run the gradient forward's elementwise layers — RMSNorm, the rotary embedding of q and k,
     SiLU(gate)·up — as fused kernels built by torch.compile (learner/forward/fused_layers.py), forward
     and backward, for HF Llama/Qwen2/Mistral layers (others keep their own code). SiLU·up and rotary are
     bit-identical to HF's; RMSNorm differs by fp32 rounding (its mean summed in another order). The
     proximal pass (log π_old, IS weights, ESS) keeps HF's code. Costs a one-time compile (seconds;
-    cached on disk by torch) and needs a C++ compiler on CPU (the error says so). Torch backend only."""
+    cached on disk by torch) and, on CPU, a C++ compiler: true without one is an error naming it;
+    'auto' turns the kernels on where torch.compile can build them and says so in the log either way.
+    Torch backend only."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallel layout and kernels of backend='megatron' (ignored by 'torch')."""
 

@@ -33,14 +33,14 @@ if [ "$(uname -s)" = Linux ] && ! "$PY" learner/launch/allocator.py; then
 fi
 
 # --- a C++ compiler: torch.compile builds the learner's fused kernels with it on CPU
-# (learner.fused_elementwise, on in configs/default.yaml; learner/forward/fused_layers.py).
+# (learner.fused_elementwise: auto in configs/default.yaml — without one they are off; learner/forward/fused_layers.py).
 if ! command -v g++ >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "[setup] installing g++ (apt-get)"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null) \
-      || echo "[setup] WARNING: could not install g++; set learner.fused_elementwise: false" >&2
+      || echo "[setup] WARNING: could not install g++; the learner runs without its fused kernels (slower)" >&2
   else
-    echo "[setup] note: no C++ compiler; 'sudo apt-get install g++', or set learner.fused_elementwise: false" >&2
+    echo "[setup] note: no C++ compiler; 'sudo apt-get install g++' gives the learner its fused kernels" >&2
   fi
 fi
 

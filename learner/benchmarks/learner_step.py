@@ -47,6 +47,7 @@ from learner.backends.torch_learner import StepInput, TorchLearner
 from learner.benchmarks.host import host_description
 from learner.benchmarks.kernel_floor import best_seconds, kernel_floor
 from learner.benchmarks.workload import BenchBatch, BenchShape
+from learner.forward.fused_layers import compiler_problem
 from learner.forward.logprobs import native_bf16
 from rollout.trajectory import Trajectory, TrajectoryVersions
 
@@ -254,6 +255,9 @@ def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
                        num_key_value_heads=config.num_key_value_heads)
     batch = BenchBatch(groups=config.groups, group_size=config.group_size, tokens=config.tokens,
                        sampled=config.sampled, prompt=config.prompt)
+    fused = config.fused_elementwise
+    if fused == "auto":  # as `learner.fused_elementwise: auto` resolves in a run
+        fused = compiler_problem(torch.device(device)) is None
     results: dict[str, Any] = {}
     for backend in config.backends:
         skip = None if config.force_emulated or backend == "megatron" else unsupported_reason(
@@ -267,7 +271,7 @@ def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
                                              micro_batch_tokens=config.micro_batch_tokens, steps=config.steps,
                                              warmup=config.warmup, proximal=config.proximal,
                                              share_prompts=config.share_prompts,
-                                             fused_elementwise=config.fused_elementwise,
+                                             fused_elementwise=fused,
                                              peak_gemm_size=config.peak_gemm_size)
         except (ValueError, RuntimeError, ImportError) as exc:
             results[backend] = {"backend": backend, "device": device, "error": f"{type(exc).__name__}: {exc}"}

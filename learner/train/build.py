@@ -13,6 +13,7 @@ from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
 from learner.backends.torch_learner import TorchLearner
 from learner.distributed.data_parallel import join_data_parallel_from_env
+from learner.forward.fused_layers import compiler_problem
 from learner.forward.logprobs import autocast_dtype
 from learner.forward.varlen_attention import register_varlen_sdpa
 from learner.train.compose import task_runtime
@@ -37,6 +38,19 @@ def learner_autocast(config: RunConfig, device: torch.device) -> torch.dtype | N
     return autocast_dtype(config.learner.autocast, device)
 
 
+def learner_fused_elementwise(config: RunConfig, device: torch.device) -> bool:
+    """Whether `learner.fused_elementwise` turns the fused kernels on for `device` ('auto': where
+    torch.compile can build them; the log says which and why)."""
+    setting = config.learner.fused_elementwise
+    if setting != "auto":
+        return bool(setting)
+    problem = compiler_problem(device)
+    if problem is not None:
+        log.warning("learner: fused elementwise kernels off (learner.fused_elementwise=auto): %s", problem)
+        return False
+    return True
+
+
 def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> TorchLearner:
     """The learner's own model copy (packing-aware attention) and optimizer, on `learner.backend`. Started
     as one of several ranks (the Ray launcher's torch learner ranks, torchrun), it is one data-parallel
@@ -54,15 +68,16 @@ def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Torch
         model.gradient_checkpointing_enable()
     device = next(model.parameters()).device
     autocast = learner_autocast(config, device)
-    log.info("learner: %s weights, autocast %s (learner.autocast=%s)", config.model.dtype,
-             autocast or "off", config.learner.autocast)
+    fused = learner_fused_elementwise(config, device)
+    log.info("learner: %s weights, autocast %s (learner.autocast=%s), fused elementwise kernels %s",
+             config.model.dtype, autocast or "off", config.learner.autocast, "on" if fused else "off")
     return TorchLearner(model, config.algo, config.optim,
                         micro_batch_tokens=config.learner.micro_batch_tokens,
                         temperature=task.loop.temperature,
                         autocast_dtype=autocast,
                         autocast_proximal=config.learner.autocast_proximal,
                         proximal=config.learner.proximal, share_prompts=config.learner.share_prompts,
-                        fused_elementwise=config.learner.fused_elementwise,
+                        fused_elementwise=fused,
                         data_parallel=join_data_parallel_from_env(device))
 
 

@@ -55,7 +55,7 @@ def test_cli_bench_learner_reports_each_backend_and_the_ratio(tmp_path: Path) ->
     overrides = ["backends=[torch,torch-autocast,megatron]", "device=cpu", "kind=qwen2", "vocab_size=128",
                  "hidden_size=32", "intermediate_size=64", "num_hidden_layers=1", "num_attention_heads=2",
                  "num_key_value_heads=1", "groups=2", "group_size=2", "tokens=24", "prompt=4", "sampled=16",
-                 "steps=2", "peak_gemm_size=128", "force_emulated=true"]
+                 "steps=2", "peak_gemm_size=128", "force_emulated=true", "fused_elementwise=auto"]
     assert main(["bench", "learner", "--out", str(out), *overrides]) == 0
     result = json.loads(out.read_text())
     torch_row, megatron_row = result["results"]["torch"], result["results"]["megatron"]
@@ -71,6 +71,13 @@ def test_cli_bench_learner_reports_each_backend_and_the_ratio(tmp_path: Path) ->
         assert set(row["phases_s_mean"]) == {"proximal", "gradient", "optimizer"}
         assert sum(row["phases_s_mean"].values()) <= row["step_s_mean"]
     assert (torch_row["matmul_dtype"], autocast_row["matmul_dtype"]) == ("float32", "bfloat16")
+    # 'auto' resolves as in a run: the fused kernels wherever torch.compile can build them
+    import torch
+
+    from learner.forward.fused_layers import compiler_problem
+
+    can_fuse = compiler_problem(torch.device("cpu")) is None
+    assert torch_row["fused_elementwise"] is can_fuse and autocast_row["fused_elementwise"] is can_fuse
     assert result["host"]["cpu"] and result["host"]["threads"] >= 1
 
 

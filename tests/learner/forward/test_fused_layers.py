@@ -1,7 +1,8 @@
 """learner.fused_elementwise: the compiled RMSNorm / rotary / SiLU·up give HF's numbers (bit for bit where
 the module docstring says so), on the modules they claim, and leave the model as it was afterwards.
 
-These compile small graphs with inductor (C++ on CPU): the first test of a session pays a few seconds."""
+Those that run the kernels compile small graphs with inductor (C++ on CPU: skipped, with the reason, where
+no compiler is installed); the first of them in a session pays a few seconds."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from learner.forward.varlen_attention import register_varlen_sdpa
 from rollout.trajectory import Trajectory, TrajectoryVersions
 from tests.learner.conftest import capture_grads, random_trajectories, tiny_model
 
-pytestmark = pytest.mark.skipif(compiler_problem(torch.device("cpu")) is not None,
-                                reason=f"{compiler_problem(torch.device('cpu'))}")
+needs_compiler = pytest.mark.skipif(compiler_problem(torch.device("cpu")) is not None,
+                                    reason=f"{compiler_problem(torch.device('cpu'))}")
 
 
 def _microbatch(seed: int = 3) -> PackedMicroBatch:
@@ -43,6 +44,7 @@ def _logprobs_and_grads(model: torch.nn.Module, dtype: torch.dtype | None, parts
     return logprobs.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+@needs_compiler
 @pytest.mark.parametrize("kind", ["llama_tied", "qwen2"])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
 def test_rotary_and_silu_mul_are_bit_identical_to_hf(kind: str, dtype: torch.dtype | None) -> None:
@@ -59,6 +61,7 @@ def test_rotary_and_silu_mul_are_bit_identical_to_hf(kind: str, dtype: torch.dty
             assert torch.equal(fused_grads[name], grad), name
 
 
+@needs_compiler
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
 def test_fused_rms_norm_is_hf_up_to_fp32_summation_order(dtype: torch.dtype | None) -> None:
     model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa(), seed=2).train()
@@ -131,6 +134,7 @@ def _step_input(seed: int = 4) -> StepInput:
     return StepInput(trajectories, [t.group_id for t in tokens], [1] * size, [True] * size)
 
 
+@needs_compiler
 @pytest.mark.parametrize(("objective", "proximal"),
                          [("vcpo", "separate"), ("vcpo", "reuse"), ("grpo", "separate")])
 def test_learner_step_with_fused_kernels(objective: str, proximal: str) -> None:
@@ -157,3 +161,26 @@ def test_learner_step_with_fused_kernels(objective: str, proximal: str) -> None:
         if grad.norm() > 0:
             error = float((grads[1][name] - grad).norm() / grad.norm())
             assert error < 3e-2, (name, error)
+
+
+def test_auto_turns_the_kernels_on_only_where_they_can_be_built(caplog: pytest.LogCaptureFixture) -> None:
+    """`learner.fused_elementwise: auto` (the default run's): on with a C++ compiler, off with a logged
+    reason without one; true/false as written; anything else is refused by the config."""
+    from pydantic import ValidationError
+    from torch._inductor import config as inductor_config
+
+    from configs.schema import RunConfig
+    from learner.train.build import learner_fused_elementwise
+
+    cpu = torch.device("cpu")
+    auto = RunConfig.model_validate({"learner": {"fused_elementwise": "auto"}})
+    for setting in (True, False):
+        written = RunConfig.model_validate({"learner": {"fused_elementwise": setting}})
+        assert learner_fused_elementwise(written, cpu) is setting
+    with inductor_config.patch({"cpp.cxx": (None, "no-such-compiler-vcpo")}):
+        assert learner_fused_elementwise(auto, cpu) is False
+    assert "no-such-compiler-vcpo" in caplog.text
+    if compiler_problem(cpu) is None:
+        assert learner_fused_elementwise(auto, cpu) is True
+    with pytest.raises(ValidationError, match="fused_elementwise"):
+        RunConfig.model_validate({"learner": {"fused_elementwise": "sometimes"}})
