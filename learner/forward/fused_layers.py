@@ -59,7 +59,7 @@ ATTENTION_SLIDING_WINDOW: dict[str, Callable[[nn.Module], int | None] | None] = 
 o_proj, and what each passes as `sliding_window` (None: Llama passes nothing)."""
 
 PARTS = ("rms_norm", "mlp", "rotary")
-"""What can be fused; `fused_elementwise(model, parts=…)` takes a subset (tests compare them one by one)."""
+"""What can be fused; `FusedElementwise(model, parts)` takes a subset (tests compare them one by one)."""
 
 _COMPILE_OPTIONS = {"emulate_precision_casts": True}
 """Round intermediates where eager rounds them (bf16 SiLU, bf16 products): bit-identical to eager."""
@@ -114,6 +114,12 @@ def compiler_problem(device: torch.device) -> str | None:
         if not any(shutil.which(compiler) for compiler in candidates):
             return (f"torch.compile's CPU backend needs a C++ compiler (none of {candidates} is on PATH): "
                     "install one (e.g. apt-get install g++) or set learner.fused_elementwise: false")
+    elif device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return ("torch.compile's CUDA backend needs Triton, which this torch cannot import: install the "
+                    "triton that matches it or set learner.fused_elementwise: false")
     return None
 
 

@@ -121,6 +121,16 @@ def test_a_missing_cpp_compiler_is_reported_with_the_fix() -> None:
             TorchLearner(model, algo, OptimConfig(lr=1e-3), micro_batch_tokens=256, fused_elementwise=True)
 
 
+def test_a_cuda_torch_without_triton_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.utils._triton as triton_probe
+
+    monkeypatch.setattr(triton_probe, "has_triton", lambda: False)
+    problem = compiler_problem(torch.device("cuda"))  # no GPU needed: only the toolchain is asked about
+    assert problem is not None and "Triton" in problem
+    monkeypatch.setattr(triton_probe, "has_triton", lambda: True)
+    assert compiler_problem(torch.device("cuda")) is None
+
+
 def _step_input(seed: int = 4) -> StepInput:
     tokens = random_trajectories(num_groups=2, per_group=3, seed=seed)
     rng = random.Random(seed)
