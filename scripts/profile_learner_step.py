@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/profile_learner_step.py --before <rev> [--backend torch-autocast]
         [--steps 2] [--top 20] [--tokens 240 --prompt 150 --sampled 70 --groups 2 --group-size 8]
+        [--proximal auto|separate|reuse] [--fused-elementwise]
 
 Checks `<rev>` out into a temporary git worktree and, in a fresh process per side (that checkout's code
 on its own `PYTHONPATH`), builds `vcpo bench learner`'s learner on the same random SmolLM2-135M-shaped
@@ -51,7 +52,9 @@ shape = BenchShape()
 batch = BenchBatch(groups=args["groups"], group_size=args["group_size"], tokens=args["tokens"],
                    sampled=args["sampled"], prompt=args["prompt"])
 algo = AlgoConfig.model_validate({"objective": {"type": "vcpo"}, "group_size": args["group_size"]})
-options = {"proximal": "auto", "share_prompts": True}
+# options a side's `_build` does not take (an older checkout) are left out: that side runs without them
+options = {"proximal": args["proximal"], "share_prompts": True,
+           "fused_elementwise": args["fused_elementwise"]}
 accepted = inspect.signature(_build).parameters
 with tempfile.TemporaryDirectory() as tmp:
     hf = write_random_checkpoint(shape, Path(tmp) / "model")
@@ -76,6 +79,7 @@ print(json.dumps({
 
 def _profile(tree: Path, args: argparse.Namespace) -> dict[str, object]:
     child_args = {k: getattr(args, k) for k in ("backend", "steps", "top", "tokens", "prompt", "sampled",
+                                                 "proximal", "fused_elementwise",
                                                  "groups", "group_size")}
     done = subprocess.run([str(PYTHON), "-c", _CHILD, json.dumps(child_args)], cwd=tree, check=True,
                           env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
@@ -111,6 +115,10 @@ def main() -> int:
     parser.add_argument("--sampled", type=int, default=70)
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--proximal", default="auto", choices=("auto", "separate", "reuse"),
+                        help="learner.proximal of both sides (auto: the exact default's separate fp32 pass)")
+    parser.add_argument("--fused-elementwise", action="store_true",
+                        help="learner.fused_elementwise on, where the side's code has it")
     args = parser.parse_args()
     result: dict[str, object] = {"before": args.before, "after": "working tree", "backend": args.backend}
     with checkout(args.before) as before_tree:
