@@ -47,7 +47,7 @@ from learner.backends.torch_learner import StepInput, TorchLearner
 from learner.benchmarks.host import host_description
 from learner.benchmarks.kernel_floor import best_seconds, kernel_floor
 from learner.benchmarks.workload import BenchBatch, BenchShape
-from learner.forward.fused_layers import compiler_problem
+from learner.forward.fused_layers import resolve as resolve_fused_elementwise
 from learner.forward.logprobs import native_bf16
 from rollout.trajectory import Trajectory, TrajectoryVersions
 
@@ -255,9 +255,7 @@ def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
                        num_key_value_heads=config.num_key_value_heads)
     batch = BenchBatch(groups=config.groups, group_size=config.group_size, tokens=config.tokens,
                        sampled=config.sampled, prompt=config.prompt)
-    fused = config.fused_elementwise
-    if fused == "auto":  # as `learner.fused_elementwise: auto` resolves in a run
-        fused = compiler_problem(torch.device(device)) is None
+    fused, _ = resolve_fused_elementwise(config.fused_elementwise, torch.device(device))  # as in a run
     results: dict[str, Any] = {}
     for backend in config.backends:
         skip = None if config.force_emulated or backend == "megatron" else unsupported_reason(

@@ -32,7 +32,6 @@ HF's eager code, so at lag 0 those stay what they were.
 from __future__ import annotations
 
 import functools
-import shutil
 import types
 from collections.abc import Callable
 from types import TracebackType
@@ -40,6 +39,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from learner.forward.varlen_attention import VARLEN_SDPA
 
@@ -105,15 +106,16 @@ def _compiled(name: str) -> Callable[..., Any]:
 
 
 def compiler_problem(device: torch.device) -> str | None:
-    """Why `torch.compile` cannot build kernels for `device` here (None: it can)."""
+    """Why `torch.compile` cannot build kernels for `device` here (None: it can): inductor's own compiler
+    search on CPU (its `cpp.cxx` candidates), Triton on CUDA."""
     if device.type == "cpu":
-        from torch._inductor import config as inductor_config
+        from torch._inductor import cpp_builder
 
-        wanted = inductor_config.cpp.cxx
-        candidates = [c for c in (wanted if isinstance(wanted, (list, tuple)) else (wanted,)) if c]
-        if not any(shutil.which(compiler) for compiler in candidates):
-            return (f"torch.compile's CPU backend needs a C++ compiler (none of {candidates} is on PATH): "
-                    "install one (e.g. apt-get install g++) or set learner.fused_elementwise: false")
+        try:
+            cpp_builder.get_cpp_compiler()
+        except Exception as exc:  # inductor raises InvalidCxxCompiler, naming what it tried
+            return (f"torch.compile's CPU backend needs a C++ compiler ({exc}): install one (e.g. apt-get "
+                    "install g++) or set learner.fused_elementwise: false")
     elif device.type == "cuda":
         from torch.utils._triton import has_triton
 
@@ -121,6 +123,15 @@ def compiler_problem(device: torch.device) -> str | None:
             return ("torch.compile's CUDA backend needs Triton, which this torch cannot import: install the "
                     "triton that matches it or set learner.fused_elementwise: false")
     return None
+
+
+def resolve(setting: bool | str, device: torch.device) -> tuple[bool, str | None]:
+    """`learner.fused_elementwise` on `device`: (on?, why not where 'auto' turned it off). True/False as
+    written; 'auto': on where `compiler_problem` finds none. One rule for the run and the bench."""
+    if setting != "auto":
+        return bool(setting), None
+    problem = compiler_problem(device)
+    return problem is None, problem
 
 
 def _rms_norm_forward(module: nn.Module, hidden: Tensor) -> Tensor:
@@ -136,9 +147,6 @@ def _attention_forward(module: nn.Module, hidden_states: Tensor,
                        attention_mask: Tensor | None = None, past_key_values: object | None = None,
                        **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     """HF's Llama/Qwen2/Mistral attention forward with the fused rotary (training forwards: no KV cache)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
     if past_key_values is not None or position_embeddings is None:
         raise ValueError("fused_elementwise serves training forwards only (no KV cache, rotary given)")
     input_shape = hidden_states.shape[:-1]

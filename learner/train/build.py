@@ -13,7 +13,7 @@ from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
 from learner.backends.torch_learner import TorchLearner
 from learner.distributed.data_parallel import join_data_parallel_from_env
-from learner.forward.fused_layers import compiler_problem
+from learner.forward.fused_layers import resolve as resolve_fused_elementwise
 from learner.forward.logprobs import autocast_dtype
 from learner.forward.varlen_attention import register_varlen_sdpa
 from learner.train.compose import task_runtime
@@ -39,16 +39,12 @@ def learner_autocast(config: RunConfig, device: torch.device) -> torch.dtype | N
 
 
 def learner_fused_elementwise(config: RunConfig, device: torch.device) -> bool:
-    """Whether `learner.fused_elementwise` turns the fused kernels on for `device` ('auto': where
-    torch.compile can build them; the log says which and why)."""
-    setting = config.learner.fused_elementwise
-    if setting != "auto":
-        return bool(setting)
-    problem = compiler_problem(device)
+    """Whether `learner.fused_elementwise` turns the fused kernels on for `device` (`fused_layers.resolve`;
+    where 'auto' turns them off, the log says why)."""
+    on, problem = resolve_fused_elementwise(config.learner.fused_elementwise, device)
     if problem is not None:
         log.warning("learner: fused elementwise kernels off (learner.fused_elementwise=auto): %s", problem)
-        return False
-    return True
+    return on
 
 
 def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> TorchLearner:

@@ -282,8 +282,9 @@ class _Hooked:
     def _on_output_grad(self, grad: Tensor) -> None:
         self._delta = grad.detach().reshape(-1, grad.shape[-1])
         if self._x.dtype != self._delta.dtype and self._x.is_floating_point():
-            # Under autocast the module computed in the output's dtype (e.g. bf16 from an fp32
-            # residual stream): the weight gradient is taken in that dtype too, as autograd's would be.
+            # The module computed in the output's dtype under an autocast the pre-hooks did not cast for
+            # (hooks built without autocast_dtype inside an outer autocast): the weight gradient is taken
+            # in that dtype too, as autograd's would be. With autocast_dtype the input arrives cast.
             self._x = self.state.cast_input(self._x, self._delta.dtype)
         self.on_backward(self._delta, self._x.reshape(-1, self._x.shape[-1]))
         self._source = None  # a Gram cache entry that needs it holds its own reference
