@@ -4,7 +4,8 @@ of the matmul peak measured in the same run, for the torch and megatron learners
 `bench_learner` builds a random Llama/Qwen2-shaped checkpoint (`BenchShape`), one random minibatch of
 groups (`BenchBatch`: each group's trajectories share their first `prompt` tokens, as a prompt is),
 and times `steps` optimizer steps after `warmup` untimed ones, returning a JSON-able dict. The
-defaults are the default run's step (SmolLM2-135M, 2 × 8 trajectories of 240 tokens, 70 sampled).
+defaults are the default run's step (SmolLM2-135M, 2 × 8 trajectories of 240 tokens, a shared 150-token
+prompt, 70 sampled).
 
 Model FLOPs (`model_flops`) are what one training step of the objective needs, whatever the
 implementation: forward + backward (6 FLOPs per parameter per token) of every linear layer of the

@@ -33,10 +33,16 @@ class BenchShape:
 @dataclass(frozen=True)
 class BenchBatch:
     """The timed minibatch: groups × group_size trajectories of `tokens` tokens; the first `prompt` are
-    the same for a group's members, the last `sampled` are trained."""
+    the same for a group's members, the last `sampled` are trained. The defaults are the default run's
+    step, as `vcpo bench learner`'s config (`configs/bench/learner.yaml`) has them."""
 
     groups: int = 2
     group_size: int = 8
     tokens: int = 240
     sampled: int = 70
-    prompt: int = 0
+    prompt: int = 150
+
+    def __post_init__(self) -> None:
+        if self.prompt < 0 or self.sampled < 1 or self.prompt + self.sampled > self.tokens:
+            raise ValueError(f"BenchBatch: prompt ({self.prompt}) ≥ 0 and sampled ({self.sampled}) ≥ 1 must "
+                             f"fit in tokens ({self.tokens}); lower prompt or sampled")

@@ -17,7 +17,7 @@ TINY = BenchShape(kind="qwen2", vocab_size=128, hidden_size=32, intermediate_siz
 
 
 def test_torch_learner_bench_reports_time_tokens_and_memory() -> None:
-    batch = BenchBatch(groups=2, group_size=2, tokens=24, sampled=16)
+    batch = BenchBatch(groups=2, group_size=2, tokens=24, sampled=16, prompt=0)
     result = bench_learner("torch", shape=TINY, batch=batch, objective="vcpo", steps=2, warmup=1,
                            peak_gemm_size=128)
     json.dumps(result)  # JSON-able as it is
@@ -46,8 +46,8 @@ def test_the_bench_shares_each_groups_prompt_like_the_run_unless_told_not_to() -
 
 def test_megatron_bench_on_cpu_says_what_to_do() -> None:
     with pytest.raises(ValueError, match="needs CUDA"):
-        bench_learner("megatron", device="cpu", shape=TINY, batch=BenchBatch(groups=1, group_size=2, tokens=8,
-                                                                             sampled=4))
+        bench_learner("megatron", device="cpu", shape=TINY,
+                      batch=BenchBatch(groups=1, group_size=2, tokens=8, sampled=4, prompt=0))
 
 
 def test_cli_bench_learner_reports_each_backend_and_the_ratio(tmp_path: Path) -> None:
@@ -110,3 +110,13 @@ def test_random_batch_shares_each_groups_prompt() -> None:
     ids = [t.token_ids for t in batch.trajectories]
     assert ids[0][:4] == ids[1][:4] == ids[2][:4] and ids[0][:4] != ids[3][:4]
     assert ids[0][4:] != ids[1][4:]
+
+
+def test_the_python_defaults_are_the_cli_defaults_and_bad_lengths_are_refused() -> None:
+    """`bench_learner()` without a batch times what `vcpo bench learner` times: the default run's step, its
+    shared prompt included (a prompt-less default once made probes time an unshared proximal pass)."""
+    config = LearnerBenchConfig()
+    assert BenchBatch() == BenchBatch(groups=config.groups, group_size=config.group_size,
+                                      tokens=config.tokens, sampled=config.sampled, prompt=config.prompt)
+    with pytest.raises(ValueError, match="must fit in tokens"):
+        BenchBatch(tokens=100, sampled=70, prompt=50)
