@@ -487,6 +487,14 @@ class StalenessBenchConfig(StrictModel):
         return self
 
 
+def check_bench_lengths(tokens: int, prompt: int, sampled: int) -> None:
+    """The learner bench's trajectory layout: a shared prompt and the trained tail must both fit in it
+    (`LearnerBenchConfig` and the bench's own `BenchBatch` apply this one rule)."""
+    if prompt + sampled > tokens:
+        raise ValueError(f"prompt ({prompt}) + sampled ({sampled}) must not exceed tokens ({tokens}); "
+                         "lower one of them")
+
+
 class LearnerBenchConfig(StrictModel):
     """`vcpo bench learner` (learner/benchmarks/learner_step.py): optimizer steps of each learner backend
     on one random minibatch of a random model, by default the default run's step (SmolLM2-135M's shape,
@@ -554,9 +562,7 @@ class LearnerBenchConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_lengths(self) -> LearnerBenchConfig:
-        if self.prompt + self.sampled > self.tokens:
-            raise ValueError(f"prompt ({self.prompt}) + sampled ({self.sampled}) must not exceed tokens "
-                             f"({self.tokens}); lower one of them")
+        check_bench_lengths(self.tokens, self.prompt, self.sampled)
         return self
 
 

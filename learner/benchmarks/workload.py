@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from configs.schema import check_bench_lengths
+
 
 @dataclass(frozen=True)
 class BenchShape:
@@ -43,6 +45,4 @@ class BenchBatch:
     prompt: int = 150
 
     def __post_init__(self) -> None:
-        if self.prompt < 0 or self.sampled < 1 or self.prompt + self.sampled > self.tokens:
-            raise ValueError(f"BenchBatch: prompt ({self.prompt}) ≥ 0 and sampled ({self.sampled}) ≥ 1 must "
-                             f"fit in tokens ({self.tokens}); lower prompt or sampled")
+        check_bench_lengths(self.tokens, self.prompt, self.sampled)

@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from configs.schema import LearnerBenchConfig
 from learner.benchmarks.learner_step import BenchBatch, BenchShape, bench_learner, random_batch
 from learner.cli import main
+from learner.forward.fused_layers import compiler_problem
 
 TINY = BenchShape(kind="qwen2", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1)
@@ -72,10 +74,6 @@ def test_cli_bench_learner_reports_each_backend_and_the_ratio(tmp_path: Path) ->
         assert sum(row["phases_s_mean"].values()) <= row["step_s_mean"]
     assert (torch_row["matmul_dtype"], autocast_row["matmul_dtype"]) == ("float32", "bfloat16")
     # 'auto' resolves as in a run: the fused kernels wherever torch.compile can build them
-    import torch
-
-    from learner.forward.fused_layers import compiler_problem
-
     can_fuse = compiler_problem(torch.device("cpu")) is None
     assert torch_row["fused_elementwise"] is can_fuse and autocast_row["fused_elementwise"] is can_fuse
     assert result["host"]["cpu"] and result["host"]["threads"] >= 1
@@ -118,5 +116,5 @@ def test_the_python_defaults_are_the_cli_defaults_and_bad_lengths_are_refused() 
     config = LearnerBenchConfig()
     assert BenchBatch() == BenchBatch(groups=config.groups, group_size=config.group_size,
                                       tokens=config.tokens, sampled=config.sampled, prompt=config.prompt)
-    with pytest.raises(ValueError, match="must fit in tokens"):
+    with pytest.raises(ValueError, match="must not exceed tokens"):
         BenchBatch(tokens=100, sampled=70, prompt=50)
