@@ -28,6 +28,8 @@ IS_ESS_RATIO_CLIPPED = "is/ess_ratio_clipped"
 IS_W_MAX = "is/w_max"
 IS_W_P99 = "is/w_p99"
 IS_LOG_W_MEAN = "is/log_w_mean"
+IS_LOG_W_MIN = "is/log_w_min"
+IS_LOG_W_MAX = "is/log_w_max"
 IS_KL_K3 = "is/kl_k3"
 PG_CLIP_FRAC = "pg/clip_frac"
 PG_MASKED_FRAC = "pg/masked_frac"
@@ -77,10 +79,12 @@ def staleness_metrics(lags: Tensor, valid: Tensor, num_bins: int = STALENESS_HIS
 def is_weight_metrics(
     seq_log_ratios: Tensor, valid: Tensor, cap: float = 8.0, max_log_ratio: float = DEFAULT_MAX_LOG_RATIO
 ) -> dict[str, Tensor]:
-    """is/{ess_ratio, ess_ratio_clipped, w_max, w_p99, log_w_mean} over valid trajectories.
+    """is/{ess_ratio, ess_ratio_clipped, w_max, w_p99, log_w_mean, log_w_min, log_w_max} over valid
+    trajectories.
 
     seq_log_ratios: (B,) L_i = log w_i (finite where valid). valid: (B,) bool. cap: C of w̄.
-    w_max and w_p99 are reported from clamped L (≤ e^max_log_ratio); log_w_mean is unclamped.
+    w_max and w_p99 are reported from clamped L (≤ e^max_log_ratio); log_w_mean, log_w_min and log_w_max
+    are unclamped (they show whether any L_i went past the clamp).
     """
     log_w = torch.where(valid, seq_log_ratios.float(), torch.zeros_like(seq_log_ratios, dtype=torch.float32))
     weights = torch.where(valid, clamp_log_ratios(log_w, max_log_ratio).exp(), torch.zeros_like(log_w))
@@ -93,6 +97,8 @@ def is_weight_metrics(
         IS_W_MAX: zero if empty else valid_weights.max(),
         IS_W_P99: zero if empty else torch.quantile(valid_weights, 0.99),  # linear interpolation
         IS_LOG_W_MEAN: _masked_mean(log_w, valid),
+        IS_LOG_W_MIN: zero if empty else log_w[valid].min(),
+        IS_LOG_W_MAX: zero if empty else log_w[valid].max(),
     }
 
 

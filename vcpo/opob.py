@@ -25,6 +25,7 @@ hooks on packed micro-batches) and any reduction across ranks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -280,33 +281,84 @@ def reference_loglik_scale(loss_aggregation: str, num_tokens: Tensor) -> Tensor:
     return lengths if mode == "length" else torch.ones_like(lengths)
 
 
+def reference_is_weights(seq_log_ratios: Tensor, cap: float | None = None) -> Tensor:
+    """The authors' sequence IS weight → (B,) fp64: exp(L_i) taken in fp32 and unclamped
+    (`compute_is_info`: inf beyond L ≈ 88.72, 0 below L ≈ −103.97), or min(exp(L_i), cap) for their
+    clipped ratio (`rollout_seq_is_clipped`). seq_log_ratios: (B,) L_i in fp32."""
+    weights = seq_log_ratios.detach().float().exp().double()
+    return weights if cap is None else weights.clamp(max=cap)
+
+
 def reference_baseline_weights(
     sq_grad_norms: Tensor,
-    truncated_weights: Tensor,
-    is_weights: Tensor | None,
+    seq_log_ratios: Tensor,
+    is_cap: float,
     loglik_scale: Tensor,
+    groups: GroupIndex,
+    *,
+    use_is_weights: bool = True,
+    use_clipped_weights: bool = False,
     num_tokens: Tensor | None = None,
 ) -> Tensor:
     """ω_i = w̄_i² · w_i² · ‖∇ Σ_t log π(y_t)‖² [/ |M_i|²] → (B,) fp64 (0 where not finite or < 0).
 
-    sq_grad_norms: (B,) ‖∇ℓ_i‖² of the learner's aggregated ℓ_i (unweighted). truncated_weights: (B,)
-    w̄_i, the weight the authors' per-trajectory gradient carries. is_weights: (B,) w_i (or w̄_i with
-    use_clipped_weights), None when use_is_weights is off. loglik_scale: (B,) c_i with
-    Σ_t log π(y_t) = c_i ℓ_i (|M_i| for a token-mean ℓ_i, 1 for a token sum): the authors rescale the
-    norm by the response length. num_tokens: (B,) |M_i| for normalize_by_length.
+    sq_grad_norms: (B,) ‖∇ℓ_i‖² of the learner's aggregated ℓ_i (unweighted). seq_log_ratios: (B,) L_i,
+    unclamped: w̄_i = min(e^{L_i}, is_cap) is the weight the authors' per-trajectory gradient carries,
+    w_i = e^{L_i} their unclipped sequence ratio (min(e^{L_i}, is_cap) with use_clipped_weights; left
+    out with use_is_weights off). loglik_scale: (B,) c_i with Σ_t log π(y_t) = c_i ℓ_i (|M_i| for a
+    token-mean ℓ_i, 1 for a token sum): the authors rescale the norm by the response length.
+    groups: the baseline's groups. num_tokens: (B,) |M_i| for normalize_by_length.
+
+    Where the authors' value is finite it is theirs: w in fp32 as they take it, the products in fp64 as
+    their Python floats. Where theirs overflows (e^{L_i} = inf in fp32 for some member, so their b is
+    NaN), the group's weights are computed in log space and divided by the group's largest: b, a ratio
+    of weights, is then the limit theirs tends to as L_i grows (the 1e-8 of b's denominator acting
+    relative to the largest weight), and stays finite.
     """
     scale = loglik_scale.detach().double()
-    truncated = truncated_weights.detach().double()
+    log_ratios = seq_log_ratios.detach().float()
+    truncated = reference_is_weights(log_ratios, is_cap)
     # ‖w̄_i ∇Σ_t log π‖² = w̄_i² c_i² ‖∇ℓ_i‖²  (the authors' grad_norm_unscaled, squared)
-    weights = sq_grad_norms.detach().double() * (scale * scale) * (truncated * truncated)
-    if is_weights is not None:
-        w = is_weights.detach().double()
-        weights = weights * (w * w)  # compute_opob_baseline: weight *= seq_is_ratio ** 2
+    base = sq_grad_norms.detach().double() * (scale * scale) * (truncated * truncated)
     if num_tokens is not None:
         length = num_tokens.detach().double().clamp_min(1.0)
-        weights = weights / (length * length)
-    usable = torch.isfinite(weights) & (weights >= 0)
-    return torch.where(usable, weights, torch.zeros_like(weights))
+        base = base / (length * length)
+    if not use_is_weights:
+        return torch.where(torch.isfinite(base) & (base >= 0), base, torch.zeros_like(base))
+    cap = is_cap if use_clipped_weights else None
+    w = reference_is_weights(log_ratios, cap)
+    direct = base * (w * w)  # compute_opob_baseline: weight *= seq_is_ratio ** 2
+    log_w = log_ratios.double() if cap is None else log_ratios.double().clamp(max=math.log(cap))
+    log_omega = torch.log(base) + 2.0 * log_w  # log(0) = −inf: a zero weight stays zero
+    overflow = torch.isinf(direct) & (base > 0) & torch.isfinite(log_omega)
+    if not bool(overflow.any()):
+        return torch.where(torch.isfinite(direct) & (direct >= 0), direct, torch.zeros_like(direct))
+    overflowed = group_sum(overflow.double(), groups) > 0
+    usable_log = torch.where(torch.isnan(log_omega) | (base < 0), torch.full_like(log_omega, -torch.inf),
+                             log_omega)
+    low = torch.full((groups.num_groups,), -torch.inf, dtype=torch.float64, device=log_omega.device)
+    shift = low.scatter_reduce(0, groups.index, usable_log, "amax")
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    rescaled = (usable_log - shift[groups.index]).exp()
+    omega = torch.where(overflowed[groups.index], rescaled, direct)
+    return torch.where(torch.isfinite(omega) & (omega >= 0), omega, torch.zeros_like(omega))
+
+
+def reference_group_std(rewards: Tensor, valid: Tensor, groups: GroupIndex) -> Tensor:
+    """σ_g as the authors take it → (G,) fp64: `torch.std(torch.tensor(rewards, dtype=float32),
+    unbiased=False)` of each group's valid rewards (`compute_grad_info`), 0 for an empty group.
+
+    Not `group_std`: for a group of equal non-dyadic rewards the population std is rounding noise
+    (16 × 0.1 → 1.49e-8 one way, 0 another), and the 1e-8 floor of `reference_std_divisor` turns that
+    noise into a divisor of 1 or of ~1e-8 — the same call on the same dtype gives the authors' choice.
+    """
+    sigma = torch.zeros(groups.num_groups, dtype=torch.float64, device=rewards.device)
+    values = rewards.detach().to(torch.float32)
+    for g in range(groups.num_groups):
+        members = (groups.index == g) & valid
+        if members.any():
+            sigma[g] = torch.std(values[members].contiguous(), unbiased=False).double()
+    return sigma
 
 
 def _per_group(

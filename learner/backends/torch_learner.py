@@ -63,7 +63,6 @@ from learner.traj_grads.opob_grad import (
 )
 from rollout.trajectory import Trajectory
 from vcpo.groups import index_groups, single_group
-from vcpo.is_weights import sequence_is_weights, truncated_is_weights
 from vcpo.objectives import BatchContext, PolicyLossInputs
 from vcpo.step_size import StepSizeInputs
 
@@ -464,17 +463,15 @@ class TorchLearner:
         log_w = full.seq_log_ratios()
         counts = full.trained_counts()
         valid = counts > 0
-        weights = sequence_is_weights(log_w, objective.max_log_ratio)
-        truncated = truncated_is_weights(weights, objective.is_cap)
+        _, truncated = objective.sequence_weights(log_w)
         groups = index_groups(group_ids)
         # spec or reference form (vcpo/objectives/weighted.py): the objective owns every formula
         coefs = objective.gradient_coefficients(truncated, rewards, valid, groups, full.size)
 
         def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
             members = members.to(self.device)
-            omega = objective.baseline_weights(sq_norms, weights[members], truncated[members],
-                                               counts[members])
             one_group = single_group(len(members), self.device)
+            omega = objective.baseline_weights(sq_norms, log_w[members], counts[members], one_group)
             result = objective.group_baseline(rewards[members], omega, valid[members], one_group)
             return float(result.per_trajectory[0])
 
@@ -510,8 +507,7 @@ class TorchLearner:
                 pad, local = full.padding[index], full.microbatches[index].trajectory_indices
                 full.old[index] = logprobs
                 log_w[local] = ((pad(logprobs) - pad(full.behavior[index])) * pad.mask).sum(dim=-1)
-                weights[local] = sequence_is_weights(log_w[local], objective.max_log_ratio)
-                truncated[local] = truncated_is_weights(weights[local], objective.is_cap)
+                truncated[local] = objective.sequence_weights(log_w[local])[1]
                 part = objective.gradient_coefficients(truncated, rewards, valid, groups, full.size)
                 return part.reward_coef[local].float(), part.baseline_coef[local].float()
 

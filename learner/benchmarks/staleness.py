@@ -61,6 +61,8 @@ CURVE_KEYS = {
     "reward": names.REWARD_MEAN,
     "ess_ratio": names.IS_ESS_RATIO,
     "w_max": names.IS_W_MAX,
+    "log_w_min": names.IS_LOG_W_MIN,
+    "log_w_max": names.IS_LOG_W_MAX,
     "lr_scale": names.LR_SCALE,
     "grad_norm": names.GRAD_NORM,
     "clip_frac": names.PG_CLIP_FRAC,

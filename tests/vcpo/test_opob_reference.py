@@ -28,18 +28,23 @@ ALL = torch.ones(3, dtype=torch.bool)
 def test_reference_weights_are_w_bar_squared_w_squared_and_the_token_sum_norm():
     # ‖∇ mean log π‖² = [0.25, 1, 0.04] with |M| = [2, 1, 5] → ‖∇ Σ log π‖² = [1, 1, 1]
     sq, lengths = tensor([0.25, 1.0, 0.04]), tensor([2.0, 1.0, 5.0])
-    w, w_bar = tensor([2.0, 1.0, 0.5]), tensor([1.5, 1.0, 0.5])
+    log_w = torch.log(tensor([2.0, 1.0, 0.5]))  # w = [2, 1, 0.5]; with C = 1.5, w̄ = [1.5, 1, 0.5]
+    one = single_group(3)
     scale = reference_loglik_scale("seq-mean-token-mean", lengths)
-    omega = reference_baseline_weights(sq, w_bar, w, scale)
+    omega = reference_baseline_weights(sq, log_w, 1.5, scale, one)
     # ω = w̄² · w² · 1 = [2.25·4, 1·1, 0.25·0.25] = [9, 1, 0.0625]
     assert omega.tolist() == pytest.approx([9.0, 1.0, 0.0625])
     # use_is_weights off: the authors' weight is the (w̄-carrying) norm alone: [2.25, 1, 0.25]
-    assert reference_baseline_weights(sq, w_bar, None, scale).tolist() == pytest.approx([2.25, 1.0, 0.25])
+    assert reference_baseline_weights(sq, log_w, 1.5, scale, one, use_is_weights=False).tolist() == (
+        pytest.approx([2.25, 1.0, 0.25]))
+    # their clipped ratio in place of w: w̄² · w̄² = [5.0625, 1, 0.0625]
+    assert reference_baseline_weights(sq, log_w, 1.5, scale, one, use_clipped_weights=True).tolist() == (
+        pytest.approx([5.0625, 1.0, 0.0625]))
     # a token-sum ℓ is already Σ log π: c = 1
     assert reference_loglik_scale("seq-mean-token-sum", lengths).tolist() == [1.0, 1.0, 1.0]
     # normalize_by_length divides by |M|²: [9/4, 1, 0.0625/25]
-    assert reference_baseline_weights(sq, w_bar, w, scale, lengths).tolist() == pytest.approx(
-        [2.25, 1.0, 0.0025])
+    assert reference_baseline_weights(sq, log_w, 1.5, scale, one, num_tokens=lengths).tolist() == (
+        pytest.approx([2.25, 1.0, 0.0025]))
     with pytest.raises(ValueError, match="token-mean"):
         reference_loglik_scale("token-mean", lengths)
 

@@ -40,6 +40,7 @@ from vcpo.opob import (
     opob_baseline_weights,
     reference_baseline_weights,
     reference_coefficients,
+    reference_group_std,
     reference_loglik_scale,
     reference_std_divisor,
     vcpo_coefficients,
@@ -192,16 +193,29 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
 
     # --- the pieces the learner's two-buffer gradient uses too (learner/backends/torch_learner.py) ---------
 
-    def baseline_weights(self, sq_grad_norms: Tensor, weights: Tensor, truncated: Tensor,
-                         num_tokens: Tensor) -> Tensor:
-        """(B,) fp64 ω_i of b* for this form. sq_grad_norms: ‖∇ℓ_i‖² (unweighted); weights: w_i;
-        truncated: w̄_i; num_tokens: |M_i| (trained tokens)."""
-        baseline_is = (truncated if self.use_clipped_weights else weights) if self.use_is_weights else None
+    def sequence_weights(self, seq_log_ratios: Tensor) -> tuple[Tensor, Tensor]:
+        """(w, w̄) → two (B,) fp32 tensors from L_i. spec: w = exp(clamp(L_i, ±max_log_ratio)), always
+        finite; reference: the authors' unclamped fp32 exp(L_i) (inf past L ≈ 88.7: only b*'s weights
+        read w, and `reference_baseline_weights` keeps them finite). w̄ = min(w, is_cap) in both."""
+        if self.form == "reference":
+            weights = seq_log_ratios.detach().float().exp()
+        else:
+            weights = sequence_is_weights(seq_log_ratios, self.max_log_ratio)
+        return weights, truncated_is_weights(weights, self.is_cap)
+
+    def baseline_weights(self, sq_grad_norms: Tensor, seq_log_ratios: Tensor, num_tokens: Tensor,
+                         scope: GroupIndex) -> Tensor:
+        """(B,) fp64 ω_i of b* for this form. sq_grad_norms: ‖∇ℓ_i‖² (unweighted); seq_log_ratios: L_i;
+        num_tokens: |M_i| (trained tokens); scope: the baseline's groups."""
         lengths = num_tokens if self.normalize_by_length else None
         if self.form == "reference":
             scale = reference_loglik_scale(self.loss_aggregation, num_tokens)
-            # ω_i = w̄_i² · w_i² · ‖∇Σ_t log π‖² [/ |M_i|²]
-            return reference_baseline_weights(sq_grad_norms, truncated, baseline_is, scale, lengths)
+            # ω_i = w̄_i² · w_i² · ‖∇Σ_t log π‖² [/ |M_i|²], w_i = e^{L_i} unclamped
+            return reference_baseline_weights(
+                sq_grad_norms, seq_log_ratios, self.is_cap, scale, scope, use_is_weights=self.use_is_weights,
+                use_clipped_weights=self.use_clipped_weights, num_tokens=lengths)
+        weights, truncated = self.sequence_weights(seq_log_ratios)
+        baseline_is = (truncated if self.use_clipped_weights else weights) if self.use_is_weights else None
         return opob_baseline_weights(sq_grad_norms, baseline_is, lengths)  # ω_i = w_i² ‖∇ℓ_i‖² [/ |M_i|²]
 
     def group_baseline(self, rewards: Tensor, omega: Tensor, valid: Tensor,
@@ -219,7 +233,7 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
         degenerate groups dropped (`spec_keep`); reference: population σ_g where > 1e-8 else 1, nothing
         dropped."""
         if self.form == "reference":
-            sigma = group_std(rewards, valid, groups, use_bessel_correction=False)[groups.index]
+            sigma = reference_group_std(rewards, valid, groups)[groups.index]
             return reference_std_divisor(sigma, self.divide_by_std), valid
         sigma = group_std(rewards, valid, groups)[groups.index].double()
         keep = self.spec_keep(rewards, valid, groups)
@@ -250,12 +264,10 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
         return vcpo_coefficients(truncated, rewards, sigma, keep, batch_size, self.divide_by_std, self.eps)
 
     def _statistics(self, batch: PreparedBatch) -> Statistics:
-        weights = sequence_is_weights(batch.seq_log_ratios, self.max_log_ratio)
-        truncated = truncated_is_weights(weights, self.is_cap)
         norms = batch.seq_sq_grad_norms.detach()
         nonfinite_norms = (batch.valid & ~(torch.isfinite(norms) & (norms >= 0))).sum()
-        omega = self.baseline_weights(norms, weights, truncated, batch.loss_mask.sum(dim=-1))
         scope = batch.groups if self.scope == "group" else single_group(batch.rewards.numel(), norms.device)
+        omega = self.baseline_weights(norms, batch.seq_log_ratios, batch.loss_mask.sum(dim=-1), scope)
         baseline = self.group_baseline(batch.rewards, omega, batch.valid, scope)
         divisor, keep = self.advantage_divisor(batch.rewards, batch.valid, batch.groups)
         centred = batch.rewards.double() - baseline.per_trajectory.double()
@@ -271,7 +283,7 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
         return {ADVANTAGES: advantages}, {**metrics, **counts}
 
     def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
-        truncated = _truncated_weights(self, batch, self.is_cap)
+        _, truncated = self.sequence_weights(batch.seq_log_ratios)
         advantages = context.rows[ADVANTAGES]
         loss = _weighted_loglik_loss(self, batch, truncated * advantages, context)  # IS factor w̄_i once, here
         shared = dict(context.shared)

@@ -39,9 +39,11 @@ def _token_logprobs(model: torch.nn.Module, t: TrajectoryTokens, temperature: fl
 Batch = tuple[list[TrajectoryTokens], list[Trajectory], list[int]]
 
 
-def _batch(model: torch.nn.Module, temperature: float) -> Batch:
+def _batch(model: torch.nn.Module, temperature: float, log_ratio_targets: dict[int, float] | None = None
+           ) -> Batch:
     """Trajectories whose behaviour log-probs are the model's own ± 0.15 per token: sequence weights
-    spread around 1, some above the cap."""
+    spread around 1, some above the cap. `log_ratio_targets` {i: L} shifts trajectory i's behaviour
+    log-probs evenly so that its sequence log-ratio is L."""
     tokens = random_trajectories(num_groups=3, per_group=3, seed=4)
     rng = random.Random(7)
     trajectories, groups = [], []
@@ -49,6 +51,12 @@ def _batch(model: torch.nn.Module, temperature: float) -> Batch:
         for i, t in enumerate(tokens):
             own = iter(_token_logprobs(model, t, temperature).tolist())
             behavior = tuple(next(own) + rng.uniform(-0.15, 0.15) if m else 0.0 for m in t.loss_mask[1:])
+            if log_ratio_targets and i in log_ratio_targets:
+                own_lp = _token_logprobs(model, t, temperature)
+                mask = t.loss_mask[1:]
+                sampled = torch.tensor([b for b, m in zip(behavior, mask, strict=True) if m])
+                shift = (log_ratio_targets[i] - float((own_lp - sampled).sum())) / own_lp.numel()
+                behavior = tuple(b - shift if m else 0.0 for b, m in zip(behavior, mask, strict=True))
             behavior = (0.0, *behavior)  # position 0 is never sampled (a prompt token)
             trajectories.append(Trajectory(
                 trajectory_id=f"t{i}", group_id=str(t.group_id), token_ids=tuple(t.token_ids),
@@ -133,6 +141,18 @@ def test_vcpo_gradient_matches_the_brute_force_oracle_of_its_form(form: str, pat
     tokens, trajectories, groups = _batch(model, 1.0)
     expected = _oracle(model, tokens, trajectories, groups, form, 1.0)
     got = _learner_gradient(model, _algo(form, path), trajectories, groups, micro_batch_tokens, 1.0)
+    for name, ascent in expected.items():
+        torch.testing.assert_close(got[name], -ascent, rtol=2e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("path", ["fast", "per_trajectory"])
+def test_reference_gradient_with_sequence_log_ratios_beyond_the_clamp(path: str) -> None:
+    """L = 25 and 22 in the first group, −25 in the last: the authors' ω and w̄ take e^L unclamped (the
+    oracle's math.exp), where a ±20 clamp would make the first group's two weights equal."""
+    model = tiny_model("llama_tied", attn_implementation=register_varlen_sdpa(), seed=3).train()
+    tokens, trajectories, groups = _batch(model, 1.0, {0: 25.0, 1: 22.0, 6: -25.0})
+    expected = _oracle(model, tokens, trajectories, groups, "reference", 1.0)
+    got = _learner_gradient(model, _algo("reference", path), trajectories, groups, 48, 1.0)
     for name, ascent in expected.items():
         torch.testing.assert_close(got[name], -ascent, rtol=2e-4, atol=1e-7, msg=name)
 
