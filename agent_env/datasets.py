@@ -73,17 +73,24 @@ def default_data_dir(environ: Mapping[str, str] = os.environ) -> Path:
 def load_samples(
     task: TaskConfig,
     *,
-    which: Literal["train", "eval"] = "train",
+    which: Literal["train", "eval", "heldout"] = "train",
     task_dir: Path,
     data_dir: Path | None = None,
     limit: int | None = None,
 ) -> DatasetLoad:
-    """The samples of the task's training dataset, or of its eval dataset (`eval_dataset`, else
-    `dataset`). `task_dir` is the task file's folder (relative paths start there); `data_dir`
-    replaces `{data_dir}` (None = `default_data_dir()`); `limit` (else the dataset's own `limit`)
-    keeps the first N usable samples."""
-    dataset = task.eval_dataset if which == "eval" and task.eval_dataset is not None else task.dataset
-    section = "eval_dataset" if dataset is task.eval_dataset else "dataset"
+    """The samples of the task's training dataset, of its eval dataset (`eval_dataset`, else
+    `dataset`), or of its held-out dataset (`heldout_dataset`; an error without one). `task_dir` is the
+    task file's folder (relative paths start there); `data_dir` replaces `{data_dir}` (None =
+    `default_data_dir()`); `limit` (else the dataset's own `limit`) keeps the first N usable samples."""
+    if which == "heldout":
+        if task.heldout_dataset is None:
+            raise ValueError(f"task {task.name!r} has no heldout_dataset; add one to the task file (e.g. the "
+                             "training generator with another seed) or set trainer.eval_every=0")
+        dataset, section = task.heldout_dataset, "heldout_dataset"
+    elif which == "eval" and task.eval_dataset is not None:
+        dataset, section = task.eval_dataset, "eval_dataset"
+    else:
+        dataset, section = task.dataset, "dataset"
     field_map, map_name = (dataset.fields, f"{section}.fields") if dataset.fields else (task.fields, "fields")
     limit = limit if limit is not None else dataset.limit
     rows, source = _read_rows(dataset, section, task_dir, data_dir, limit, field_map)

@@ -814,6 +814,20 @@ class TrainerConfig(StrictModel):
     """Also log to Weights & Biases (needs `pip install wandb` and a login)."""
     save_trajectories: bool = True
     """Append every consumed trajectory (with its text) to run_dir/trajectories.jsonl."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate the live policy on the task's held-out prompts (`heldout_dataset`) before the first step,
+    every this many steps and after the last (0 = never). Runs on the rollout engine at a fixed policy
+    version (weights are not pushed meanwhile; training rollouts go on), outside the lag bound; figures
+    as `eval/*` metrics, one resumable JSONL per version under run_dir/eval/."""
+    eval_samples: int = Field(128, ge=1)
+    """Held-out prompts per evaluation: the first this many of heldout_dataset that are not training
+    prompts."""
+    eval_k: int = Field(1, ge=1)
+    """Samples per held-out prompt."""
+    eval_temperature: float | None = Field(None, ge=0)
+    """Sampling temperature of the evaluation; None = the training rollouts' (task loop.temperature)."""
+    eval_concurrency: int = Field(32, ge=1)
+    """Held-out episodes in flight at once (beside the training rollouts)."""
 
 
 class RunConfig(StrictModel):
@@ -850,6 +864,14 @@ class RunConfig(StrictModel):
     rollout workers, learner ranks and sandbox pools as Ray actors (the `ray` section)."""
     ray: RayConfig = Field(default_factory=RayConfig)
     """Cluster layout for launcher=ray."""
+
+    @model_validator(mode="after")
+    def _check_heldout_eval(self) -> RunConfig:
+        if self.trainer.eval_every > 0 and self.launcher != "local":
+            raise ValueError(f"trainer.eval_every={self.trainer.eval_every} needs launcher='local' (the "
+                             "held-out evaluation runs on the local engine); set trainer.eval_every=0 with "
+                             "launcher='ray'")
+        return self
 
     @model_validator(mode="after")
     def _check_autocast(self) -> RunConfig:

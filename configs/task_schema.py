@@ -256,6 +256,10 @@ class TaskConfig(StrictModel):
     """Training (and default evaluation) data."""
     eval_dataset: DatasetConfig | None = None
     """Data for `vcpo eval`; None = `dataset`."""
+    heldout_dataset: DatasetConfig | None = None
+    """Prompts the trainer evaluates the live policy on while it trains (`trainer.eval_every`): any whose
+    prompt equals a training prompt is dropped, then the first `trainer.eval_samples` are used. None =
+    no held-out evaluation for this task."""
     fields: FieldMap
     """Row → sample mapping (a dataset's own `fields` replaces it for that dataset)."""
     prompt: PromptConfig
@@ -277,7 +281,8 @@ class TaskConfig(StrictModel):
     def _placeholders_have_fields(self) -> TaskConfig:
         problems: list[str] = []
         maps = {"fields": self.fields}
-        for section, dataset in (("dataset", self.dataset), ("eval_dataset", self.eval_dataset)):
+        for section, dataset in (("dataset", self.dataset), ("eval_dataset", self.eval_dataset),
+                                 ("heldout_dataset", self.heldout_dataset)):
             if dataset is not None and dataset.fields is not None:
                 maps[f"{section}.fields"] = dataset.fields
         templates = (("prompt.system", self.prompt.system), ("prompt.user", self.prompt.user))

@@ -319,6 +319,8 @@ def _train(args: argparse.Namespace) -> int:
           f"{len(summary.first_rewards)} steps {first:.3f} → last {len(summary.last_rewards)} steps "
           f"{last:.3f}; "
           f"metrics: {run_dir / 'metrics.jsonl'}; dashboard: vcpo plot {run_dir}")
+    if summary.heldout_change is not None:
+        print(summary.heldout_change.line())
     return 0
 
 

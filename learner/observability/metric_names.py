@@ -106,6 +106,26 @@ TRAIN_LOSS = "train/loss"
 TRAIN_ENTROPY = "train/entropy"
 """Mean token entropy of the policy on trained tokens (optional: costs a full-vocab pass)."""
 
+# --- Held-out evaluation (trainer.eval_every): only in the records of evaluated versions. ----------
+EVAL_SUCCESS = "eval/success"
+"""Held-out success rate: mean correctness over every (prompt, sample) of the evaluation."""
+EVAL_SUCCESS_LOW = "eval/success_low"
+"""Lower end of its 95% interval (Wilson for k = 1, a t-interval over prompts for k > 1)."""
+EVAL_SUCCESS_HIGH = "eval/success_high"
+"""Upper end of its 95% interval."""
+EVAL_PROMPTS = "eval/prompts"
+"""Held-out prompts evaluated."""
+EVAL_NO_ANSWER_FRAC = "eval/no_answer_frac"
+"""Share of held-out episodes with no extracted answer."""
+EVAL_TOOL_CALLS_MEAN = "eval/tool_calls_mean"
+"""Tool calls per held-out episode."""
+EVAL_TRUNCATED_FRAC = "eval/truncated_frac"
+"""Share of held-out episodes cut by the token budget."""
+EVAL_RESPONSE_TOKENS_MEAN = "eval/response_tokens_mean"
+"""Sampled tokens per held-out episode."""
+TIME_EVAL = "time/eval"
+"""Seconds the held-out evaluation took (not part of time/step)."""
+
 REQUIRED_EVERY_STEP = (
     STALENESS_MEAN,
     STALENESS_MAX,
@@ -156,6 +176,15 @@ OPTIONAL = (
     ROLLOUT_REGENERATED_GROUPS,
     TRAIN_LOSS,
     TRAIN_ENTROPY,
+    EVAL_SUCCESS,
+    EVAL_SUCCESS_LOW,
+    EVAL_SUCCESS_HIGH,
+    EVAL_PROMPTS,
+    EVAL_NO_ANSWER_FRAC,
+    EVAL_TOOL_CALLS_MEAN,
+    EVAL_TRUNCATED_FRAC,
+    EVAL_RESPONSE_TOKENS_MEAN,
+    TIME_EVAL,
 )
 """Further keys the trainer logs when it has them."""
 
@@ -184,6 +213,14 @@ def staleness_bin_label(index: int, num_bins: int = STALENESS_HIST_BINS, width: 
 __all__ = [
     "ALL_METRICS",
     "AXES",
+    "EVAL_NO_ANSWER_FRAC",
+    "EVAL_PROMPTS",
+    "EVAL_RESPONSE_TOKENS_MEAN",
+    "EVAL_SUCCESS",
+    "EVAL_SUCCESS_HIGH",
+    "EVAL_SUCCESS_LOW",
+    "EVAL_TOOL_CALLS_MEAN",
+    "EVAL_TRUNCATED_FRAC",
     "GRAD_NORM",
     "IS_ESS_RATIO",
     "IS_ESS_RATIO_CLIPPED",
@@ -220,6 +257,7 @@ __all__ = [
     "STALENESS_MAX",
     "STALENESS_MEAN",
     "TIME_CPU",
+    "TIME_EVAL",
     "TIME_GENERATE",
     "TIME_IDLE_LEARNER",
     "TIME_IDLE_ROLLOUT",

@@ -209,6 +209,11 @@ class MetricsLogger:
         _atomic_write(self.path, "".join(raw))
         return records
 
+    @property
+    def last_step(self) -> int | None:
+        """The last trainer_step in metrics.jsonl (kept on resume or logged since), None when empty."""
+        return self._last_step
+
     def log(self, step: int, policy_version: int, metrics: Mapping[str, MetricValue]) -> None:
         """Write the record of training step `step` (must exceed every step logged before).
 

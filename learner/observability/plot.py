@@ -22,6 +22,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from learner.observability.metric_names import (
+    EVAL_SUCCESS,
+    EVAL_SUCCESS_HIGH,
+    EVAL_SUCCESS_LOW,
     GRAD_NORM,
     IS_ESS_RATIO,
     IS_ESS_RATIO_CLIPPED,
@@ -190,6 +193,12 @@ def _reward(axes: Axes, run: _Run) -> None:
         axes.plot(run.steps, _moving_average(mean, window), color="tab:blue", linewidth=2.2,
                   label=f"moving average ({window} steps)")
     _mark_non_finite(axes, run, [REWARD_MEAN])
+    if run.has(EVAL_SUCCESS):  # held-out success at the evaluated versions, with its 95% interval
+        success, low, high = (run.column(key) for key in (EVAL_SUCCESS, EVAL_SUCCESS_LOW, EVAL_SUCCESS_HIGH))
+        at = np.isfinite(success)
+        axes.errorbar(run.steps[at], success[at], yerr=[success[at] - low[at], high[at] - success[at]],
+                      color="tab:green", marker="s", capsize=4, linewidth=1.5, label="held-out success (95%)")
+        title = "reward and held-out success"
     axes.set_title(title)
     _step_axis(axes)
     axes.legend(loc="best", fontsize=9)

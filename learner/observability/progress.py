@@ -149,6 +149,20 @@ class ProgressLine:
         self._last_written_s = now
         self._stream.flush()
 
+    def message(self, text: str) -> None:
+        """A line that stays (an evaluation's result): on a TTY above the in-place line, which is redrawn."""
+        if self._is_tty:
+            self._stream.write("\r" + " " * self._width + "\r" + text + "\n")
+            if self._last_step_text:
+                self._stream.write(self._last_step_text)
+                self._width = len(self._last_step_text)
+            else:
+                self._width = 0
+        else:
+            self._stream.write(text + "\n")
+        self._last_written_s = self._clock()
+        self._stream.flush()
+
     def close(self) -> None:
         """End the in-place line so later output starts on a fresh line."""
         if self._is_tty and self._width:

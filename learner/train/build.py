@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from agent_env.datasets import load_samples
+from agent_env.heldout import HeldoutEvaluator, select_heldout
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
 from learner.backends.torch_learner import TorchLearner
@@ -17,7 +20,7 @@ from learner.forward.fused_layers import resolve as resolve_fused_elementwise
 from learner.forward.logprobs import autocast_dtype
 from learner.forward.varlen_attention import register_varlen_sdpa
 from learner.train.compose import task_runtime
-from learner.train.trainer import TrainSummary, train
+from learner.train.trainer import TaskRuntime, TrainSummary, episode_settings, train
 
 log = logging.getLogger(__name__)
 
@@ -89,5 +92,29 @@ async def run_local(
     learner = build_learner(config, task, cache_dir)
     async with task_runtime(task, task_path, model_dir=resolved.name_or_path, tokenizer=tokenizer,
                             settings=settings, which="train") as runtime:
+        heldout = None
+        if config.trainer.eval_every:
+            heldout = heldout_evaluator(config, runtime, task_path, run_dir)
         return await train(config, runtime, learner, run_dir, progress=progress,
-                           stop_after_step=stop_after_step)
+                           stop_after_step=stop_after_step, heldout=heldout)
+
+
+def heldout_evaluator(config: RunConfig, runtime: TaskRuntime, task_path: Path, run_dir: Path
+                      ) -> HeldoutEvaluator:
+    """The trainer's held-out evaluation of `runtime`'s task: the task's heldout_dataset less every
+    training prompt, the first `trainer.eval_samples`, sampled as the training rollouts are (or at
+    `trainer.eval_temperature`), with one fixed seed per (prompt, sample) across versions."""
+    task, trainer = runtime.task, config.trainer
+    loaded = load_samples(task, which="heldout", task_dir=task_path.parent)
+    chosen = select_heldout(loaded.samples, runtime.samples, task.prompt.system, task.prompt.user,
+                            trainer.eval_samples, source=loaded.source)
+    log.info("held-out evaluation: %d prompts of %s (%d overlapping training prompts dropped), k = %d, "
+             "every %d steps", len(chosen.samples), chosen.source, chosen.overlapping, trainer.eval_k,
+             trainer.eval_every)
+    settings = episode_settings(task, seed=config.seed)
+    if trainer.eval_temperature is not None:
+        settings = dataclasses.replace(settings, temperature=trainer.eval_temperature)
+    return HeldoutEvaluator(chosen, engine=runtime.engine, tokenizer=runtime.tokenizer, tool=runtime.tool,
+                            system=task.prompt.system, user=task.prompt.user, reward=runtime.reward,
+                            settings=settings, k=trainer.eval_k, out_dir=run_dir / "eval",
+                            concurrency=trainer.eval_concurrency, task_name=task.name)

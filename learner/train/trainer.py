@@ -35,12 +35,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from agent_env.heldout import HeldoutChange, HeldoutEvaluator, HeldoutResult, paired_change
 from agent_env.loop import Episode, EpisodeSettings, run_episode
 from agent_env.prompts import render_messages, render_prompt_ids
 from agent_env.samples import Sample
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
 from learner.backends.torch_learner import StepInput
+from learner.observability import metric_names as names
 from learner.observability.metrics_log import MetricsLogger
 from learner.observability.progress import ProgressLine, format_activity
 from learner.train.checkpointing import (
@@ -369,11 +371,45 @@ class TrainSummary:
     last_rewards: list[float]
     wall_s: float
     run_dir: Path
+    heldout: list[HeldoutResult] = field(default_factory=list)
+    """The held-out evaluations of this process (a resumed run's earlier ones are in metrics.jsonl)."""
+    heldout_change: HeldoutChange | None = None
+    """The first evaluation (the policy RL started from) → the last, paired by prompt; None without both."""
+
+
+def is_eval_version(version: int, every: int, total_steps: int) -> bool:
+    """Whether the held-out set is evaluated at `version`: 0, every `every` versions, and the last."""
+    return every > 0 and (version % every == 0 or version == total_steps)
+
+
+def heldout_metrics(result: HeldoutResult) -> dict[str, float]:
+    """The `eval/*` metrics (and `time/eval`) of one held-out evaluation."""
+    return {names.EVAL_SUCCESS: result.success, names.EVAL_SUCCESS_LOW: result.low,
+            names.EVAL_SUCCESS_HIGH: result.high, names.EVAL_PROMPTS: float(len(result.per_prompt)),
+            names.EVAL_NO_ANSWER_FRAC: float(result.summary["no_answer_frac"]),
+            names.EVAL_TOOL_CALLS_MEAN: float(result.summary["tool_calls_mean"]),
+            names.EVAL_TRUNCATED_FRAC: float(result.summary["truncated_frac"]),
+            names.EVAL_RESPONSE_TOKENS_MEAN: float(result.summary["response_tokens_mean"]),
+            names.TIME_EVAL: result.seconds}
+
+
+async def _evaluate(heldout: HeldoutEvaluator, version: int, live: LiveActivity | None,
+                    display: ProgressLine | None) -> HeldoutResult:
+    if live is not None:
+        live.begin(version, "held-out eval")
+    result = await heldout.run(version)
+    if display is not None:
+        display.message(result.line())
+    else:
+        log.info("%s", result.line())
+    return result
 
 
 async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, run_dir: Path, *,
-                progress: bool = True, stop_after_step: int | None = None) -> TrainSummary:
-    """Train `config.trainer.total_steps` steps (resuming from run_dir's newest checkpoint if any)."""
+                progress: bool = True, stop_after_step: int | None = None,
+                heldout: HeldoutEvaluator | None = None) -> TrainSummary:
+    """Train `config.trainer.total_steps` steps (resuming from run_dir's newest checkpoint if any); with
+    `heldout`, evaluate the held-out prompts at the versions `is_eval_version` names."""
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -396,7 +432,10 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
         start_step = int(meta["step"])
         log.info("resuming from %s (step %d)", checkpoint, start_step)
         await manager.sync_weights(learner.named_weights(), start_step)
+    if heldout is not None:  # a resumed run retrains the versions after its checkpoint
+        heldout.discard_after(start_step)
     rewards: list[float] = []
+    evaluations: list[HeldoutResult] = []
     is_finished = False
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -416,6 +455,10 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
         if display is not None:
             live = LiveActivity(display, runtime, rollout.groups_per_step * config.algo.group_size)
         async with manager, _ticking(live):
+            if heldout is not None and trainer.eval_every > 0 and metrics_log.last_step is None:
+                # the policy RL starts from (after the warm start), logged as trainer_step 0
+                evaluations.append(await _evaluate(heldout, 0, live, display))
+                metrics_log.log(0, 0, heldout_metrics(evaluations[-1]))
             last_busy, last_wall = manager.busy_seconds(), time.perf_counter()
             last_cpu = process_cpu_seconds()
             for step in range(start_step, trainer.total_steps):
@@ -451,6 +494,11 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                     "perf/tokens_per_s": metrics["tokens/generated"] / max(1e-9, now - last_wall),
                     "rollout/failed_groups": manager.counters.groups_failed})
                 metrics.update(runtime.counters())
+                if heldout is not None and is_eval_version(step + 1, trainer.eval_every, trainer.total_steps):
+                    evaluations.append(await _evaluate(heldout, step + 1, live, display))
+                    metrics.update(heldout_metrics(evaluations[-1]))
+                    # the evaluation's wall time is its own (time/eval), not the next step's
+                    now, busy, cpu = time.perf_counter(), manager.busy_seconds(), process_cpu_seconds()
                 last_busy, last_wall, last_cpu = busy, now, cpu
                 metrics_log.log(step + 1, step + 1, metrics)
                 rewards.append(float(metrics.get("reward/mean", 0.0)))
@@ -467,4 +515,10 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
     if is_finished:
         export_model(learner, runtime.tokenizer, run_dir / "export")
     steps_done = len(rewards)
-    return TrainSummary(steps_done, rewards[:10], rewards[-10:], time.perf_counter() - started, run_dir)
+    change = None
+    if heldout is not None and evaluations:
+        first = heldout.stored(0)
+        if first is not None and evaluations[-1].version > 0:
+            change = paired_change(first, evaluations[-1])
+    return TrainSummary(steps_done, rewards[:10], rewards[-10:], time.perf_counter() - started, run_dir,
+                        heldout=evaluations, heldout_change=change)

@@ -216,3 +216,40 @@ def test_the_live_line_counts_this_phases_episodes_and_tokens() -> None:
     assert text.startswith("step 2: rollouts 4 episodes done (16 per step), 7 running, 2.5k tokens sampled")
     live.begin(2, "learner step")
     assert live.text() == "step 2: learner step, 0:00:00"
+
+
+@needs_bwrap
+def test_held_out_prompts_are_evaluated_logged_and_resumed(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`trainer.eval_every`: the live engine scores held-out prompts (none of them a training prompt)
+    before the first step, every 2 steps and after the last; `eval/*` in metrics.jsonl (the first as
+    trainer_step 0), one file per version; a resumed run keeps the earlier evaluations and the final
+    line pairs first → last."""
+    config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=2, extra={})
+    task = yaml.safe_load((tmp_path / "task.yaml").read_text())
+    task["heldout_dataset"] = {"type": "generator", "name": "countdown", "num_samples": 16, "seed": 1}
+    (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
+    evaluation = ["trainer.eval_every=2", "trainer.eval_samples=6", "trainer.eval_k=2"]
+    first = _vcpo("train", str(config), "--no-progress", *evaluation)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    resumed = _vcpo("train", str(config), "--no-progress", "trainer.total_steps=3", *evaluation)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert [r["trainer_step"] for r in records] == [0, 1, 2, 3]
+    evaluated = {r["trainer_step"]: r for r in records if "eval/success" in r}
+    assert sorted(evaluated) == [0, 2, 3]
+    for record in evaluated.values():
+        assert record["eval/prompts"] == 6 and 0 <= record["eval/success_low"] <= record["eval/success"]
+        assert record["eval/success"] <= record["eval/success_high"] <= 1 and record["time/eval"] > 0
+    assert "reward/mean" not in records[0] and "eval/success" not in records[1]
+    files = sorted(p.name for p in (run_dir / "eval").glob("*.jsonl"))
+    assert files == ["version_000000.jsonl", "version_000002.jsonl", "version_000003.jsonl"]
+    for name in files:
+        lines = (run_dir / "eval" / name).read_text().splitlines()
+        assert len(lines) == 1 + 6 * 2  # meta + 6 prompts × k = 2
+    assert "held-out success" in resumed.stdout and "(step 0) →" in resumed.stdout, resumed.stdout
+    assert "(step 3)" in resumed.stdout
+    plot = _vcpo("plot", str(run_dir))
+    assert plot.returncode == 0, plot.stderr[-3000:]
+    trend = _vcpo("trend", str(run_dir))
+    assert trend.returncode == 0, trend.stderr[-3000:]
