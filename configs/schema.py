@@ -614,6 +614,13 @@ class RolloutConfig(StrictModel):
     """Groups generating at once; None = groups_per_step × (max_lag + 1) (everything the bound allows)."""
     max_group_attempts: int = Field(3, ge=1)
     """A batch slot whose group fails this many times in a row stops the run (a systemic error)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a finished group whose episodes all scored alike (no group-relative
+    signal) is dropped and its slot refilled by a fresh prompt at the current policy version (inside the
+    lag bound), at most `max_refills_per_step` times per step; past that the step trains on what it has."""
+    max_refills_per_step: int = Field(8, ge=0)
+    """Dropped-and-refilled groups per step at most (dynamic_sampling): bounds the generation one step
+    can cost when most groups are uninformative."""
     saturate_lag: bool = False
     """Stress-test mode (`vcpo bench staleness`): before each step the learner waits until the engine
     has generated everything the bound admits, so every batch lags by exactly min(k, step). Off =

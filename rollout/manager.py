@@ -15,7 +15,13 @@ weights and their per-token versions/logprobs stay exact (the engine protocol gu
 
 Failures: a group whose episode raises is dropped, counted, and *replaced* by a fresh prompt in the
 same batch slot (admitted now, so its lag bound still holds); `max_attempts` consecutive failures of
-one slot raise `RolloutFailed` (something systemic is wrong). Nothing is lost or used twice across
+one slot raise `RolloutFailed` (something systemic is wrong).
+
+Dynamic sampling (DAPO's, as slime and veRL offer it): with `accept`, a finished group it rejects —
+e.g. every episode scored alike, so it carries no group-relative signal — is dropped and its slot
+refilled the same way, by a fresh prompt admitted at the current version (inside the lag bound), at most
+`max_refills` times per batch slot; past that the slot takes what it gets. Refills and the tokens the
+dropped groups sampled are counted (`RolloutCounters`). Nothing is lost or used twice across
 checkpoint/resume: `state()` records the data position, the completed groups not yet consumed and
 the slots still in flight, which `restore()` re-admits first.
 
@@ -63,6 +69,8 @@ class GroupTicket:
     """0 for the first try of a slot, n for its n-th replacement."""
     admitted_version: int = 0
     """Published version at admission (≤ every token's version)."""
+    refill: int = 0
+    """0, or n for the n-th group of this slot's batch that replaced one dynamic sampling dropped."""
 
 
 RunGroup = Callable[[GroupTicket], Awaitable[Sequence[Trajectory]]]
@@ -89,6 +97,10 @@ class RolloutCounters:
 
     groups_completed: int = 0
     groups_failed: int = 0
+    groups_refilled: int = 0
+    """Finished groups `accept` rejected and replaced (dynamic sampling): a running total."""
+    refill_tokens: int = 0
+    """Tokens the rejected groups sampled: the generation dynamic sampling cost, a running total."""
     trajectories: int = 0
     last_errors: list[str] = field(default_factory=list)
 
@@ -108,11 +120,13 @@ class RolloutManager:
         fatal_errors: tuple[type[BaseException], ...] = (EngineUnavailable,),
         total_batches: int | None = None,
         saturate: bool = False,
+        accept: Callable[[Sequence[Trajectory]], bool] | None = None,
+        max_refills: int = 0,
     ) -> None:
-        if groups_per_batch < 1 or max_lag < 0 or max_concurrent_groups < 1:
+        if groups_per_batch < 1 or max_lag < 0 or max_concurrent_groups < 1 or max_refills < 0:
             raise ValueError(
-                f"groups_per_batch={groups_per_batch} (≥1), max_lag={max_lag} (≥0), "
-                f"max_concurrent_groups={max_concurrent_groups} (≥1) out of range"
+                f"groups_per_batch={groups_per_batch} (≥1), max_lag={max_lag} (≥0), max_concurrent_groups="
+                f"{max_concurrent_groups} (≥1), max_refills={max_refills} (≥0) out of range"
             )
         self.engine = engine
         self._run_group = run_group
@@ -126,6 +140,12 @@ class RolloutManager:
         """Stress mode: next_batch waits until everything admissible at this version is generated."""
         self.fatal_errors = fatal_errors
         """Errors that stop the run at once (a dead engine or sandbox), not retried with new prompts."""
+        self.accept = accept
+        """Dynamic sampling: a finished group this rejects is replaced (None = every group is kept)."""
+        self.max_refills = max_refills
+        """Rejected groups replaced per batch slot at most; past that they are kept."""
+        self._refills: dict[int, int] = {}
+        self._last_batch_refills = 0
         self.counters = RolloutCounters()
         self._version = 0
         self._next_group_index = 0
@@ -185,6 +205,8 @@ class RolloutManager:
                 raise self._failure
             groups = sorted(self._completed.pop(batch), key=lambda item: item[0].group_index)
             self._next_batch_index += 1
+            self._last_batch_refills = self._refills.get(batch, 0)
+            self._refills = {b: n for b, n in self._refills.items() if b > batch}
             self._changed.notify_all()
         return groups
 
@@ -234,8 +256,9 @@ class RolloutManager:
                 await self._changed.wait_for(self._can_admit)
                 if self._retry:
                     ticket = self._retry.pop(0)
-                    ticket = GroupTicket(ticket.group_index, ticket.batch_index, self._take_prompt(),
-                                         ticket.attempt, self._version) if ticket.attempt else ticket
+                    if ticket.prompt_position < 0:  # a replacement: a fresh prompt, admitted now
+                        ticket = GroupTicket(ticket.group_index, ticket.batch_index, self._take_prompt(),
+                                             ticket.attempt, self._version, ticket.refill)
                 else:
                     index = self._next_group_index
                     ticket = GroupTicket(index, index // self.groups_per_batch, self._take_prompt(), 0,
@@ -261,10 +284,32 @@ class RolloutManager:
         async with self._changed:
             self._in_flight.pop(ticket.group_index, None)
             self._track_busy()
+            if self._refill(ticket, trajectories):
+                self._changed.notify_all()
+                return
             self._completed.setdefault(ticket.batch_index, []).append((ticket, trajectories))
             self.counters.groups_completed += 1
             self.counters.trajectories += len(trajectories)
             self._changed.notify_all()
+
+    def _refill(self, ticket: GroupTicket, trajectories: list[Trajectory]) -> bool:
+        """Dynamic sampling (under the lock): whether the finished group is dropped and its slot queued
+        for a fresh prompt."""
+        if self.accept is None or self._refills.get(ticket.batch_index, 0) >= self.max_refills:
+            return False
+        if self.accept(trajectories):
+            return False
+        self._refills[ticket.batch_index] = self._refills.get(ticket.batch_index, 0) + 1
+        self.counters.groups_refilled += 1
+        self.counters.refill_tokens += sum(t.num_sampled_tokens for t in trajectories)
+        self._retry.append(GroupTicket(ticket.group_index, ticket.batch_index, -1, 0,
+                                       refill=self._refills[ticket.batch_index]))
+        return True
+
+    @property
+    def last_batch_refills(self) -> int:
+        """Groups dynamic sampling dropped and replaced in the batch `next_batch` returned last."""
+        return self._last_batch_refills
 
     async def _on_failure(self, ticket: GroupTicket, exc: Exception) -> None:
         root: BaseException = exc
@@ -285,7 +330,8 @@ class RolloutManager:
                     f"batch slot {ticket.batch_index} failed {self.max_attempts} times in a row; "
                     f"last: {message}")
             else:
-                retry = GroupTicket(ticket.group_index, ticket.batch_index, -1, ticket.attempt + 1)
+                retry = GroupTicket(ticket.group_index, ticket.batch_index, -1, ticket.attempt + 1,
+                                    refill=ticket.refill)
                 self._retry.append(retry)
             self._changed.notify_all()
 
@@ -306,7 +352,10 @@ class RolloutManager:
             + [vars(ticket) for ticket in self._retry],
             "counters": {"groups_completed": self.counters.groups_completed,
                          "groups_failed": self.counters.groups_failed,
+                         "groups_refilled": self.counters.groups_refilled,
+                         "refill_tokens": self.counters.refill_tokens,
                          "trajectories": self.counters.trajectories},
+            "refills": {str(b): n for b, n in self._refills.items()},
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -328,4 +377,7 @@ class RolloutManager:
         counters = state.get("counters", {})
         self.counters.groups_completed = counters.get("groups_completed", 0)
         self.counters.groups_failed = counters.get("groups_failed", 0)
+        self.counters.groups_refilled = counters.get("groups_refilled", 0)
+        self.counters.refill_tokens = counters.get("refill_tokens", 0)
         self.counters.trajectories = counters.get("trajectories", 0)
+        self._refills = {int(b): n for b, n in state.get("refills", {}).items()}

@@ -97,6 +97,12 @@ ROLLOUT_SKIPPED_SAMPLES = "rollout/skipped_samples"
 """Bad samples (tasks that could not be posed) counted and skipped so far: a running total."""
 ROLLOUT_FAILED_GROUPS = "rollout/failed_groups"
 """Groups whose generation failed and was given up so far: a running total."""
+ROLLOUT_REFILLS = "rollout/refills"
+"""rollout.dynamic_sampling: this step's groups dropped (all episodes scored alike) and refilled."""
+ROLLOUT_REFILLED_GROUPS = "rollout/refilled_groups"
+"""rollout.dynamic_sampling: groups dropped and refilled so far: a running total."""
+ROLLOUT_REFILL_TOKENS = "rollout/refill_tokens"
+"""rollout.dynamic_sampling: tokens the dropped groups sampled (what refilling cost): a running total."""
 ROLLOUT_REGENERATED_GROUPS = "rollout/regenerated_groups"
 """launcher=ray: groups regenerated (same prompt) because their rollout actor died: a running total."""
 
@@ -174,6 +180,9 @@ OPTIONAL = (
     ROLLOUT_SKIPPED_SAMPLES,
     ROLLOUT_FAILED_GROUPS,
     ROLLOUT_REGENERATED_GROUPS,
+    ROLLOUT_REFILLS,
+    ROLLOUT_REFILLED_GROUPS,
+    ROLLOUT_REFILL_TOKENS,
     TRAIN_LOSS,
     TRAIN_ENTROPY,
     EVAL_SUCCESS,
@@ -244,6 +253,9 @@ __all__ = [
     "REWARD_STD",
     "ROLLOUT_FAILED_GROUPS",
     "ROLLOUT_FILTERED_FRAC",
+    "ROLLOUT_REFILLED_GROUPS",
+    "ROLLOUT_REFILLS",
+    "ROLLOUT_REFILL_TOKENS",
     "ROLLOUT_REGENERATED_GROUPS",
     "ROLLOUT_RESPONSE_TOKENS_MEAN",
     "ROLLOUT_SKIPPED_SAMPLES",

@@ -188,6 +188,11 @@ class Learner(Protocol):
     def save_pretrained(self, path: Path) -> None: ...
 
 
+def _refill_tag(ticket: GroupTicket) -> str:
+    """'' for a slot's own group, 'rN' for the N-th refill of its batch (dynamic sampling): distinct ids."""
+    return f"r{ticket.refill}" if ticket.refill else ""
+
+
 def _group_runner(runtime: TaskRuntime, group_size: int, seed: int) -> RunGroup:
     settings = episode_settings(runtime.task)
 
@@ -195,7 +200,7 @@ def _group_runner(runtime: TaskRuntime, group_size: int, seed: int) -> RunGroup:
         sample = runtime.samples[data_index(ticket.prompt_position, len(runtime.samples), seed)]
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(runtime.episode(
-                sample, settings, f"g{ticket.group_index}.{ticket.attempt}.{member}",
+                sample, settings, f"g{ticket.group_index}.{ticket.attempt}{_refill_tag(ticket)}.{member}",
                 str(ticket.group_index))) for member in range(group_size)]
         return [task.result().trajectory for task in tasks]
 
@@ -278,6 +283,12 @@ class TrajectoryLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def has_signal(trajectories: Sequence[Trajectory]) -> bool:
+    """Whether a group's episodes did not all score alike (dynamic sampling keeps it): the exact-equality
+    rule of `vcpo.groups.degenerate_groups`, so a dropped group is one VCPO would give no gradient."""
+    return len({t.reward for t in trajectories}) > 1
 
 
 def step_input(
@@ -421,7 +432,8 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
         max_concurrent_groups=(rollout.max_concurrent_groups
                                or rollout.groups_per_step * (rollout.max_lag + 1)),
         max_attempts=rollout.max_group_attempts, fatal_errors=(EngineUnavailable, ToolUnavailableError),
-        total_batches=trainer.total_steps, saturate=rollout.saturate_lag)
+        total_batches=trainer.total_steps, saturate=rollout.saturate_lag,
+        accept=has_signal if rollout.dynamic_sampling else None, max_refills=rollout.max_refills_per_step)
     start_step = 0
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is not None:
@@ -493,6 +505,10 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                     "time/step": now - last_wall, "time/cpu": cpu - last_cpu,
                     "perf/tokens_per_s": metrics["tokens/generated"] / max(1e-9, now - last_wall),
                     "rollout/failed_groups": manager.counters.groups_failed})
+                if rollout.dynamic_sampling:
+                    metrics.update({names.ROLLOUT_REFILLS: manager.last_batch_refills,
+                                    names.ROLLOUT_REFILLED_GROUPS: manager.counters.groups_refilled,
+                                    names.ROLLOUT_REFILL_TOKENS: manager.counters.refill_tokens})
                 metrics.update(runtime.counters())
                 if heldout is not None and is_eval_version(step + 1, trainer.eval_every, trainer.total_steps):
                     evaluations.append(await _evaluate(heldout, step + 1, live, display))

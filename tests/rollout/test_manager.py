@@ -199,3 +199,50 @@ class _Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [1]
+
+
+@pytest.mark.parametrize("max_lag", [0, 2])
+async def test_dynamic_sampling_refills_rejected_groups_with_fresh_prompts_in_the_bound(max_lag: int) -> None:
+    def accept(trajectories: list[Trajectory]) -> bool:
+        return int(trajectories[0].reward) % 3 != 0  # prompts 0, 3, 6, ... carry "no signal"
+
+    async with ScriptedEngine(token_delay_s=0.002) as engine:
+        manager = RolloutManager(engine, _group_runner(engine, seed=5), groups_per_batch=2, max_lag=max_lag,
+                                 max_concurrent_groups=6, accept=accept, max_refills=10)
+        refills, consumed, lags = [], [], []
+        async with manager:
+            for step in range(6):
+                groups = await manager.next_batch()
+                refills.append(manager.last_batch_refills)
+                consumed += [ticket.prompt_position for ticket, _ in groups]
+                lags += [step - t.versions.start for _, ts in groups for t in ts]
+                assert sorted(ticket.group_index for ticket, _ in groups) == [2 * step, 2 * step + 1]
+                await manager.sync_weights([("w", torch.zeros(1))], step + 1)
+    assert all(position % 3 != 0 for position in consumed)  # every rejected group was replaced
+    assert len(set(consumed)) == len(consumed) and max(lags) <= max_lag
+    assert sum(refills) >= 4 and manager.counters.groups_refilled >= sum(refills)
+    assert manager.counters.refill_tokens >= manager.counters.groups_refilled * GROUP_SIZE  # ≥ 1 token each
+    assert manager.counters.groups_failed == 0
+
+
+async def test_dynamic_sampling_stops_refilling_a_slot_at_its_cap_and_keeps_what_it_has() -> None:
+    async with ScriptedEngine() as engine:
+        manager = RolloutManager(engine, _group_runner(engine, seed=6), groups_per_batch=2, max_lag=0,
+                                 max_concurrent_groups=2, accept=lambda _t: False, max_refills=3)
+        async with manager:
+            first = await manager.next_batch()
+            assert manager.last_batch_refills == 3 and len(first) == 2
+            await manager.sync_weights([("w", torch.zeros(1))], 1)
+            second = await manager.next_batch()
+            assert manager.last_batch_refills == 3 and len(second) == 2
+            state = manager.state()
+    refilled = [ticket.refill for ticket, _ in first + second]
+    assert max(refilled) == 3 and manager.counters.groups_refilled == 6
+    assert state["counters"]["groups_refilled"] == 6 and state["counters"]["refill_tokens"] > 0
+    restored = RolloutManager(engine, _group_runner(engine, seed=6), groups_per_batch=2, max_lag=0,
+                              max_concurrent_groups=2, accept=lambda _t: False, max_refills=3)
+    restored.restore(state)
+    assert restored.counters.groups_refilled == 6
+    with pytest.raises(ValueError, match="max_refills"):
+        RolloutManager(engine, _group_runner(engine, 0), groups_per_batch=1, max_lag=0,
+                       max_concurrent_groups=1, max_refills=-1)

@@ -29,6 +29,13 @@ def digit_fraction(response: str, sample: object) -> float:
     return sum(c.isdigit() for c in response) / max(1, len(response))
 
 
+def flat_on_even_targets(response: str, sample: object) -> float:
+    """Every episode of an even-target prompt scores 1 (a group with no signal); others as digit_fraction."""
+    if sample.answer["target"] % 2 == 0:  # type: ignore[attr-defined]
+        return 1.0
+    return digit_fraction(response, sample)
+
+
 def poisoned_reward(response: str, sample: object) -> float:
     """Raises for about a third of the prompts (a crashing custom reward); the run must count it and go on."""
     if sample.answer["target"] % 3 == 0:  # type: ignore[attr-defined]
@@ -253,3 +260,25 @@ def test_held_out_prompts_are_evaluated_logged_and_resumed(tmp_path: Path, tiny_
     assert plot.returncode == 0, plot.stderr[-3000:]
     trend = _vcpo("trend", str(run_dir))
     assert trend.returncode == 0, trend.stderr[-3000:]
+
+
+@needs_bwrap
+def test_dynamic_sampling_trains_only_on_groups_with_signal(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`rollout.dynamic_sampling`: a group whose episodes all scored alike (here every even-target prompt)
+    is dropped and refilled by a fresh prompt, within the lag bound; the refills and their tokens are
+    counted per step and in total."""
+    config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=3, reward="flat_on_even_targets",
+                            tool=False)
+    result = _vcpo("train", str(config), "--no-progress", "rollout.dynamic_sampling=true",
+                   "rollout.max_refills_per_step=20")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path / "run")
+    assert [r["trainer_step"] for r in records] == [1, 2, 3]
+    assert all(r["staleness/max"] <= 1 for r in records)
+    assert records[-1]["rollout/refilled_groups"] == sum(r["rollout/refills"] for r in records) > 0
+    assert records[-1]["rollout/refill_tokens"] > 0
+    groups: dict[tuple[int, int], list[float]] = {}
+    for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        groups.setdefault((record["step"], record["group"]), []).append(record["reward"])
+    assert len(groups) == 6 and all(len(set(rewards)) > 1 for rewards in groups.values())
