@@ -97,13 +97,14 @@ def _build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(handler=_plot)
 
     trend = commands.add_parser("trend", help="is a run learning? per-block reward and success rate, and the "
-                                              "success-rate trend with a bootstrap CI (JSON); several runs "
-                                              "(seeds): each one's, and their pooled trend")
+                                              "success-rate trend with a bootstrap CI (a table; --json: "
+                                              "JSON); several runs (seeds): each one's, pooled")
     trend.add_argument("run_dirs", type=Path, nargs="+", metavar="run_dir")
     trend.add_argument("--block", type=int, default=10, help="steps per block (default 10)")
     trend.add_argument("--success", type=float, default=1.0,
                        help="an episode succeeds when its reward is at least this (default 1.0)")
     trend.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    trend.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     trend.set_defaults(handler=_trend)
 
     train = commands.add_parser(
@@ -143,7 +144,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _trend(args: argparse.Namespace) -> int:
-    from learner.observability.trend import TrendError, pooled_trend, reward_trend
+    from learner.observability.trend import TrendError, format_trend, pooled_trend, reward_trend
 
     options = {"block": args.block, "success": args.success, "resamples": args.resamples}
     try:
@@ -154,7 +155,7 @@ def _trend(args: argparse.Namespace) -> int:
     except (TrendError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2) if args.json else format_trend(result))
     return 0
 
 
@@ -309,6 +310,11 @@ def _train(args: argparse.Namespace) -> int:
             summary = asyncio.run(run_training(config, task, task_path, settings, cache_dir, run_dir,
                                                progress=not args.no_progress,
                                                stop_after_step=args.stop_after_step))
+    except KeyboardInterrupt:
+        print(_interrupted_message(config, task, run_dir, cache_dir), file=sys.stderr, flush=True)
+        # a learner step may still be running on its thread: the checkpoints are whole (written atomically),
+        # so leave now rather than let the interpreter wait for it at exit
+        os._exit(130)
     except BaseException:
         if library_log is not None:  # the terminal again: the libraries' last words are in the file
             print(f"(engine and library output of this run: {library_log})", file=sys.stderr)
@@ -321,7 +327,27 @@ def _train(args: argparse.Namespace) -> int:
           f"metrics: {run_dir / 'metrics.jsonl'}; dashboard: vcpo plot {run_dir}")
     if summary.heldout_change is not None:
         print(summary.heldout_change.line())
+    if summary.phases:
+        print("time: " + " · ".join(f"{name} {seconds:.0f} s" for name, seconds in summary.phases.items()))
     return 0
+
+
+def _interrupted_message(config: Any, task: Any, run_dir: Path, cache_dir: Path) -> str:
+    """What a Ctrl-C'd run keeps, and how to go on."""
+    from learner.train.checkpointing import latest_checkpoint
+    from learner.train.warm_start import warm_start_dir
+
+    lines = ["vcpo train: stopped (Ctrl-C)."]
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None:
+        lines.append(f"  kept: the newest checkpoint, {checkpoint}; metrics and trajectories up to it")
+    else:
+        lines.append("  no checkpoint was written yet (every trainer.checkpoint_every steps)")
+    warm = warm_start_dir(config, task, cache_dir)
+    if config.warm_start.enabled and (warm / "config.json").is_file():
+        lines.append(f"  kept: the warm-started model, {warm} (not redone)")
+    lines.append("  to go on, run the same command again: it resumes from the newest checkpoint")
+    return "\n".join(lines)
 
 
 def _eval(args: argparse.Namespace) -> int:

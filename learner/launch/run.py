@@ -4,7 +4,13 @@ asks for it, then the run itself in this process (`launcher: local`) or across a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import logging
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +33,43 @@ async def run_training(
     conflicts = resume_conflicts(run_dir, config.model_dump(mode="json"))
     if conflicts:
         raise ConfigError(f"(resuming {run_dir})", conflicts)
+    phases: dict[str, float] = {}
+    report = (lambda line: print(line, file=terminal(), flush=True)) if progress else log.info
     if config.warm_start.enabled:  # cold-start SFT first (cached); RL then starts from that model
-        from learner.train.warm_start import run_warm_start
-
-        report = (lambda line: print(line, file=terminal(), flush=True)) if progress else log.info
-        warm = run_warm_start(config, task, task_path, cache_dir, report)
+        started = time.perf_counter()
+        warm = await _warm_start_in_thread(config, task, task_path, cache_dir, report)
+        phases["warm start"] = time.perf_counter() - started
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(warm)})})
+    backend = getattr(settings, "backend", "auto")
+    report(f"starting the rollout engine ({backend}), the learner and the tool sandbox")
     if config.launcher == "ray":
         from learner.launch.ray_launcher import run_training_ray
 
-        return await run_training_ray(config, task, task_path, settings, cache_dir, run_dir,
-                                      progress=progress, stop_after_step=stop_after_step)
+        summary = await run_training_ray(config, task, task_path, settings, cache_dir, run_dir,
+                                         progress=progress, stop_after_step=stop_after_step)
+        summary.phases = {**phases, **summary.phases}
+        return summary
     from learner.train.build import run_local
 
-    return await run_local(config, task, task_path, settings, cache_dir, run_dir, progress=progress,
-                           stop_after_step=stop_after_step)
+    summary = await run_local(config, task, task_path, settings, cache_dir, run_dir, progress=progress,
+                              stop_after_step=stop_after_step)
+    summary.phases = {**phases, **summary.phases}
+    return summary
+
+
+async def _warm_start_in_thread(config: RunConfig, task: TaskConfig, task_path: Path, cache_dir: Path,
+                                report: Callable[[str], None]) -> Path:
+    """`run_warm_start` off the event loop, so that a cancelled run (Ctrl-C: asyncio cancels the main
+    task at its next await) stops it within one SFT step instead of after the whole warm start."""
+    from learner.train.warm_start import WarmStartStopped, run_warm_start
+
+    stop = threading.Event()
+    future = asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(run_warm_start, config, task, task_path, cache_dir, report, stop.is_set))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        stop.set()
+        with contextlib.suppress(WarmStartStopped):
+            await future
+        raise

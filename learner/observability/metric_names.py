@@ -132,6 +132,14 @@ EVAL_RESPONSE_TOKENS_MEAN = "eval/response_tokens_mean"
 TIME_EVAL = "time/eval"
 """Seconds the held-out evaluation took (not part of time/step)."""
 
+# --- The run's learning signal so far (the live line's; `vcpo trend` over the steps up to this one). ---
+TREND_SUCCESS = "trend/success_per_100_steps"
+"""Change of the training episodes' success rate (reward ≥ 1) per 100 steps, least squares, so far."""
+TREND_SUCCESS_LOW = "trend/success_per_100_steps_low"
+"""Lower end of its 95% step-bootstrap interval."""
+TREND_SUCCESS_HIGH = "trend/success_per_100_steps_high"
+"""Upper end of that interval (below 0: success is falling by more than noise explains)."""
+
 REQUIRED_EVERY_STEP = (
     STALENESS_MEAN,
     STALENESS_MAX,
@@ -194,6 +202,9 @@ OPTIONAL = (
     EVAL_TRUNCATED_FRAC,
     EVAL_RESPONSE_TOKENS_MEAN,
     TIME_EVAL,
+    TREND_SUCCESS,
+    TREND_SUCCESS_LOW,
+    TREND_SUCCESS_HIGH,
 )
 """Further keys the trainer logs when it has them."""
 
@@ -284,6 +295,9 @@ __all__ = [
     "TRAINER_STEP",
     "TRAIN_ENTROPY",
     "TRAIN_LOSS",
+    "TREND_SUCCESS",
+    "TREND_SUCCESS_HIGH",
+    "TREND_SUCCESS_LOW",
     "WALL_S",
     "staleness_bin_bounds",
     "staleness_bin_label",

@@ -3,9 +3,9 @@ throughput and elapsed time — and, between steps, what is happening now (episo
 tokens sampled, or the learner step), so a long step still shows movement.
 
 `format_progress` and `format_activity` are the pure formatting; `ProgressLine` decides when and how
-to write: on a TTY it rewrites one line in place (`\\r`), elsewhere (log files, CI) it writes a plain
-line at most every `interval_s` seconds plus the final step. It records nothing: metrics.jsonl is
-the record (learner.observability.metrics_log).
+to write: on a TTY tqdm redraws one line in place, cut to the terminal's width; elsewhere (log files,
+CI) it writes a plain line at most every `interval_s` seconds plus the final step. It records nothing:
+metrics.jsonl is the record (learner.observability.metrics_log).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, TextIO
 
+from tqdm import tqdm
+
 from learner.observability.console import terminal
 from learner.observability.metric_names import (
     IS_ESS_RATIO,
@@ -24,6 +26,9 @@ from learner.observability.metric_names import (
     REWARD_MEAN,
     STALENESS_MAX,
     STALENESS_MEAN,
+    TREND_SUCCESS,
+    TREND_SUCCESS_HIGH,
+    TREND_SUCCESS_LOW,
     WALL_S,
 )
 
@@ -69,6 +74,10 @@ def format_progress(step: int, total_steps: int, metrics: Mapping[str, Any], *,
         f" (max {_number(metrics.get(STALENESS_MAX), '.0f')})",
         f"{_rate(metrics.get(PERF_TOKENS_PER_S))} tok/s",
     ]
+    if metrics.get(TREND_SUCCESS) is not None:
+        parts.append(f"success {100 * float(metrics[TREND_SUCCESS]):+.1f}/100 steps "
+                     f"({100 * float(metrics[TREND_SUCCESS_LOW]):+.1f} to "
+                     f"{100 * float(metrics[TREND_SUCCESS_HIGH]):+.1f})")
     elapsed = elapsed_s if elapsed_s is not None else metrics.get(WALL_S)
     if elapsed is not None:
         parts.append(_duration(float(elapsed)))
@@ -99,13 +108,15 @@ def format_activity(step: int, *, phase: str, since_s: float, episodes_done: int
 class ProgressLine:
     """Writes `format_progress` to `stream` (default: the terminal at construction, `console.terminal()`).
 
-    On a TTY every `update` rewrites the line in place; otherwise a line is written at the first
-    update, then once `interval_s` has passed since the last written one, and at the final step.
-    elapsed time counts from construction, by `clock` (seconds; injectable for tests).
+    On a TTY one line is redrawn in place by tqdm, cut to the terminal's width (read at every redraw, so
+    a resized or narrow terminal never wraps it into a trail of stale lines); `message` puts a line
+    above it. Otherwise a line is written at the first update, then once `interval_s` has passed since
+    the last written one, and at the final step. Elapsed time counts from construction, by `clock`
+    (seconds; injectable for tests). columns: a fixed width instead of the terminal's (tests).
     """
 
     def __init__(self, total_steps: int, stream: TextIO | None = None, *, interval_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, columns: int | None = None) -> None:
         self.total_steps = total_steps
         self._stream = stream if stream is not None else terminal()
         self._is_tty = bool(getattr(self._stream, "isatty", lambda: False)())
@@ -114,61 +125,60 @@ class ProgressLine:
         self._start_s = clock()
         self._last_written_s: float | None = None  # any line
         self._last_step_written_s: float | None = None  # a step's line (activity never delays one)
-        self._width = 0  # longest line written in place, to blank out a shorter successor
         self._last_step_text = ""
+        self._bar: tqdm | None = None
+        if self._is_tty:
+            self._bar = tqdm(total=total_steps, file=self._stream, bar_format="{desc}", leave=True,
+                             dynamic_ncols=columns is None, ncols=columns, mininterval=0)
+
+    def _draw(self, text: str) -> None:
+        assert self._bar is not None
+        self._bar.set_description_str(text, refresh=True)
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         now = self._clock()
         text = format_progress(step, self.total_steps, metrics, elapsed_s=now - self._start_s)
         self._last_step_text = text
-        if self._is_tty:
-            self._stream.write("\r" + text.ljust(self._width))
-            self._width = max(self._width, len(text))
+        if self._bar is not None:
+            self._draw(text)
         elif (self._last_step_written_s is None or now - self._last_step_written_s >= self._interval_s
               or step >= self.total_steps):
             self._stream.write(text + "\n")
             self._last_step_written_s = now
+            self._stream.flush()
         else:
             return
         self._last_written_s = now
-        self._stream.flush()
 
     def activity(self, text: str) -> None:
-        """Show what is happening inside a step (`format_activity`): on a TTY after the last step's
-        line, in place; elsewhere as its own line, at most every `interval_s` (as step lines)."""
+        """Show what is happening inside a step (`format_activity`): on a TTY in place, before the last
+        step's line; elsewhere as its own line, at most every `interval_s` (as step lines)."""
         now = self._clock()
-        if self._is_tty:
-            line = f"{self._last_step_text} | {text}" if self._last_step_text else text
-            self._stream.write("\r" + line.ljust(self._width))
-            self._width = max(self._width, len(line))
+        if self._bar is not None:
+            # what is happening now first: on a narrow terminal the cut falls on the last step's figures
+            self._draw(f"{text} | {self._last_step_text}" if self._last_step_text else text)
         else:  # after `interval_s` with no line at all (counting from the start), not at once
             quiet_since = self._last_written_s if self._last_written_s is not None else self._start_s
             if now - quiet_since < self._interval_s:
                 return
             self._stream.write(f"  ... {text}\n")
+            self._stream.flush()
         self._last_written_s = now
-        self._stream.flush()
 
     def message(self, text: str) -> None:
-        """A line that stays (an evaluation's result): on a TTY above the in-place line, which is redrawn."""
-        if self._is_tty:
-            self._stream.write("\r" + " " * self._width + "\r" + text + "\n")
-            if self._last_step_text:
-                self._stream.write(self._last_step_text)
-                self._width = len(self._last_step_text)
-            else:
-                self._width = 0
+        """A line that stays (an evaluation's result): on a TTY above the live line, which is redrawn."""
+        if self._bar is not None:
+            self._bar.write(text, file=self._stream)
         else:
             self._stream.write(text + "\n")
+            self._stream.flush()
         self._last_written_s = self._clock()
-        self._stream.flush()
 
     def close(self) -> None:
-        """End the in-place line so later output starts on a fresh line."""
-        if self._is_tty and self._width:
-            self._stream.write("\n")
-            self._stream.flush()
-            self._width = 0
+        """End the live line so later output starts on a fresh line."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def __enter__(self) -> ProgressLine:
         return self

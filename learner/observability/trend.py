@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from learner.observability import metric_names as names
+
 TRAJECTORIES_FILE = "trajectories.jsonl"
 
 
@@ -87,6 +89,18 @@ def _check(block: int, resamples: int) -> None:
         raise ValueError(f"block and resamples must be ≥ 1 (got block={block}, resamples={resamples})")
 
 
+def success_trend(steps: dict[int, list[float]], *, success: float = 1.0, resamples: int = 400,
+                  seed: int = 0) -> tuple[float, float, float]:
+    """(change, low, high): the success rate's change per 100 steps of `steps` (step → episode rewards)
+    and its 95% step-bootstrap interval, as fractions — what the live line shows while a run trains."""
+    hits = _hits(steps, success)
+    order = sorted(hits)
+    rng = random.Random(seed)
+    boots = [_change_per_100_steps(hits, [rng.choice(order) for _ in order]) for _ in range(resamples)]
+    low, high = _interval(boots)
+    return _change_per_100_steps(hits, order), low, high
+
+
 def reward_trend(run_dir: Path, *, block: int = 10, success: float = 1.0, resamples: int = 2000,
                  seed: int = 0) -> dict[str, Any]:
     """The block table and the success-rate trend of `run_dir` (see the module docstring), JSON-able."""
@@ -140,3 +154,79 @@ def pooled_trend(run_dirs: Sequence[Path], *, block: int = 10, success: float = 
             "resampling": "steps within each run; the runs (seeds) are fixed, each weighing the same",
         },
     }
+
+
+def _points(rate: float) -> str:
+    return f"{100 * rate:+.1f}"
+
+
+def _one_run(result: dict[str, Any]) -> list[str]:
+    lines = [f"{result['run_dir']}: {result['steps']} steps, {result['episodes']} episodes "
+             f"(success = reward ≥ {result['success_threshold']:g})",
+             f"  {'steps':>9}  {'episodes':>8}  {'reward':>6}  {'success':>13}"]
+    for block in result["blocks"]:
+        first, last = block["steps"]
+        lines.append(f"  {first:>4}–{last:<4}  {block['episodes']:>8}  {block['reward_mean']:>6.3f}  "
+                     f"{block['successes']:>4} ({100 * block['success_rate']:>5.1f}%)")
+    low, high = result["ci95_change_per_100_steps"]
+    lines.append(f"  trend: {_points(result['success_rate_change_per_100_steps'])} points of success per 100 "
+                 f"steps (95% interval {_points(low)} to {_points(high)})")
+    return lines
+
+
+def format_trend(result: dict[str, Any]) -> str:
+    """`reward_trend`'s or `pooled_trend`'s result as a table for a person (`vcpo trend` without --json)."""
+    if "pooled" not in result:
+        return "\n".join(_one_run(result))
+    lines = [line for run in result["runs"] for line in (*_one_run(run), "")]
+    pooled = result["pooled"]
+    low, high = pooled["ci95_change_per_100_steps"]
+    lines.append(f"pooled over {len(pooled['run_dirs'])} runs: "
+                 f"{_points(pooled['success_rate_change_per_100_steps'])} points per 100 steps "
+                 f"(95% interval {_points(low)} to {_points(high)}; {pooled['resampling']})")
+    return "\n".join(lines)
+
+
+TREND_EVERY = 5
+"""Steps between two updates of the live line's success trend (a bootstrap: a few tenths of a second)."""
+TREND_MIN_STEPS = 10
+"""Steps before the live line shows a trend at all."""
+WARN_EVERY = 20
+"""Fewest steps between two "success is falling" warnings."""
+
+
+class LearningSignal:
+    """The training episodes' success trend so far (`success_trend`: `vcpo trend`'s estimate and
+    interval) for the live line and metrics.jsonl, and a warning when success falls by more than noise
+    explains. A resumed run starts from its trajectory log up to the checkpoint's step."""
+
+    def __init__(self, run_dir: Path, resume_from_step: int) -> None:
+        self.steps: dict[int, list[float]] = {}
+        if resume_from_step > 0:
+            try:
+                self.steps = {s: r for s, r in read_step_rewards(run_dir).items() if s <= resume_from_step}
+            except TrendError:
+                self.steps = {}
+        self._warned_at: int | None = None
+
+    def update(self, step: int, rewards: list[float]) -> dict[str, float]:
+        """Record step `step`'s episode rewards; every `TREND_EVERY` steps the trend metrics, else {}."""
+        self.steps[step] = list(rewards)
+        if len(self.steps) < TREND_MIN_STEPS or step % TREND_EVERY:
+            return {}
+        change, low, high = success_trend(self.steps, seed=step)
+        return {names.TREND_SUCCESS: change / 100.0, names.TREND_SUCCESS_LOW: low / 100.0,
+                names.TREND_SUCCESS_HIGH: high / 100.0}
+
+    def warning(self, step: int, trend: dict[str, float]) -> str | None:
+        """A warning line when the trend's whole interval is below 0 (at most every `WARN_EVERY` steps)."""
+        if not trend or trend[names.TREND_SUCCESS_HIGH] >= 0:
+            return None
+        if self._warned_at is not None and step - self._warned_at < WARN_EVERY:
+            return None
+        self._warned_at = step
+        change, low, high = (100 * trend[key] for key in (names.TREND_SUCCESS, names.TREND_SUCCESS_LOW,
+                                                           names.TREND_SUCCESS_HIGH))
+        return (f"warning: training success is falling at step {step}: {change:+.1f} points per 100 steps "
+                f"(95% interval {low:+.1f} to {high:+.1f}); look at is/ess_ratio, grad/norm and lr/scale "
+                "in the dashboard (vcpo plot)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,7 @@ async def run_local(
     """Train `config` on `task` in this process (`launcher: local`); resumes when run_dir has a checkpoint."""
     from rollout.models import load_tokenizer, resolve_model
 
+    started = time.perf_counter()
     resolved = resolve_model(config.model.path, cache_dir)
     tokenizer = load_tokenizer(config.model.path, cache_dir)
     learner = build_learner(config, task, cache_dir)
@@ -95,8 +97,11 @@ async def run_local(
         heldout = None
         if config.trainer.eval_every:
             heldout = heldout_evaluator(config, runtime, task_path, run_dir)
-        return await train(config, runtime, learner, run_dir, progress=progress,
-                           stop_after_step=stop_after_step, heldout=heldout)
+        startup_s = time.perf_counter() - started
+        summary = await train(config, runtime, learner, run_dir, progress=progress,
+                              stop_after_step=stop_after_step, heldout=heldout)
+    summary.phases = {"startup": startup_s, **summary.phases}
+    return summary
 
 
 def heldout_evaluator(config: RunConfig, runtime: TaskRuntime, task_path: Path, run_dir: Path

@@ -45,6 +45,7 @@ from learner.backends.torch_learner import StepInput
 from learner.observability import metric_names as names
 from learner.observability.metrics_log import MetricsLogger
 from learner.observability.progress import ProgressLine, format_activity
+from learner.observability.trend import LearningSignal
 from learner.train.checkpointing import (
     latest_checkpoint,
     load_checkpoint,
@@ -386,6 +387,8 @@ class TrainSummary:
     """The held-out evaluations of this process (a resumed run's earlier ones are in metrics.jsonl)."""
     heldout_change: HeldoutChange | None = None
     """The first evaluation (the policy RL started from) → the last, paired by prompt; None without both."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Wall seconds by phase ("warm start", "startup", "RL", "held-out eval"), for the closing summary."""
 
 
 def is_eval_version(version: int, every: int, total_steps: int) -> bool:
@@ -447,6 +450,7 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
     if heldout is not None:  # a resumed run retrains the versions after its checkpoint
         heldout.discard_after(start_step)
     rewards: list[float] = []
+    signal = LearningSignal(run_dir, start_step)
     evaluations: list[HeldoutResult] = []
     is_finished = False
     started = time.perf_counter()
@@ -454,7 +458,10 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
         # One dedicated learner thread: glibc gives each thread its own malloc arena and keeps what a
         # thread freed for that thread, so learner steps hopping between pool threads each pinned a
         # step's worth of activations (the default run grew 12 → 24 GB in 7 steps and was OOM-killed).
-        learner_thread = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner"))
+        learner_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
+        # not waited for on the way out: a cancelled run (Ctrl-C) unwinds at once, and the step on the
+        # thread, if any, ends on its own (the checkpoints it could touch are written atomically)
+        stack.callback(learner_thread.shutdown, wait=False, cancel_futures=True)
         trajectory_log = None
         if trainer.save_trajectories:
             trajectory_log = TrajectoryLog(run_dir / "trajectories.jsonl", runtime.tokenizer, start_step)
@@ -510,6 +517,13 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                                     names.ROLLOUT_REFILLED_GROUPS: manager.counters.groups_refilled,
                                     names.ROLLOUT_REFILL_TOKENS: manager.counters.refill_tokens})
                 metrics.update(runtime.counters())
+                trend = signal.update(step + 1, [t.reward for t in batch.trajectories])
+                metrics.update(trend)
+                falling = signal.warning(step + 1, trend)
+                if falling is not None:
+                    if display is not None:
+                        display.message(falling)
+                    log.warning("%s", falling)
                 if heldout is not None and is_eval_version(step + 1, trainer.eval_every, trainer.total_steps):
                     evaluations.append(await _evaluate(heldout, step + 1, live, display))
                     metrics.update(heldout_metrics(evaluations[-1]))
@@ -536,5 +550,8 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
         first = heldout.stored(0)
         if first is not None and evaluations[-1].version > 0:
             change = paired_change(first, evaluations[-1])
-    return TrainSummary(steps_done, rewards[:10], rewards[-10:], time.perf_counter() - started, run_dir,
-                        heldout=evaluations, heldout_change=change)
+    wall_s = time.perf_counter() - started
+    eval_s = sum(result.seconds for result in evaluations)
+    phases = {"RL": wall_s - eval_s, **({"held-out eval": eval_s} if evaluations else {})}
+    return TrainSummary(steps_done, rewards[:10], rewards[-10:], wall_s, run_dir,
+                        heldout=evaluations, heldout_change=change, phases=phases)

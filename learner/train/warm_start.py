@@ -138,10 +138,21 @@ def warm_start_dir(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Path
     return cache_dir / "warm_start" / key
 
 
+class WarmStartStopped(RuntimeError):
+    """The warm start was asked to stop (`should_stop`); nothing was cached."""
+
+
+REPORT_EVERY_S = 20.0
+"""Most seconds between two progress lines of the warm start (a slow host still shows it moving)."""
+
+
 def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_dir: Path,
-                   report: Callable[[str], None] = log.info) -> Path:
+                   report: Callable[[str], None] = log.info,
+                   should_stop: Callable[[], bool] = lambda: False) -> Path:
     """The warm-started model directory (trained now, or the cached one — then the training set is
-    not even loaded); `report` gets a progress line every 8 SFT steps."""
+    not even loaded); `report` gets a line as each phase starts and one at least every `REPORT_EVERY_S`
+    seconds of SFT. `should_stop` is polled between demonstrations and SFT steps: when it says so,
+    `WarmStartStopped` is raised within one step and nothing is cached."""
     from agent_env.datasets import load_samples
     from rollout.models import load_causal_lm, load_tokenizer
 
@@ -150,9 +161,12 @@ def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_d
         log.info("warm start: reusing %s", out_dir)
         return out_dir
     settings: WarmStartConfig = config.warm_start
+    report(f"[warm start] writing {settings.examples} solver demonstrations (once; cached in {out_dir})")
     tokenizer = load_tokenizer(config.model.path, cache_dir)
     samples = load_samples(task, which="train", task_dir=task_path.parent).samples
     examples = demonstrations(task, samples, tokenizer, settings.examples, config.seed)
+    if should_stop():
+        raise WarmStartStopped("stopped before training")
     if not examples:
         raise ValueError("warm_start: the solver found no demonstration among the training samples")
     model = load_causal_lm(config.model.path, cache_dir, torch.float32, _device().type).train()
@@ -164,6 +178,9 @@ def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_d
     losses: list[float] = []
     batches = -(-len(examples) // settings.batch_size)  # per epoch
     budget = config.learner.micro_batch_tokens
+    report(f"[warm start] supervised training: {settings.epochs} epochs × {batches} steps "
+           f"({'bf16 autocast' if compute_dtype is not None else 'fp32'})")
+    last_report = time.perf_counter()
     for epoch in range(settings.epochs):
         order = list(range(len(examples)))
         generator.shuffle(order)
@@ -173,9 +190,12 @@ def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_d
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if len(losses) % 8 == 0:
+            if should_stop():
+                raise WarmStartStopped(f"stopped at step {len(losses)}/{settings.epochs * batches}")
+            if len(losses) == 1 or time.perf_counter() - last_report >= REPORT_EVERY_S:
                 report(f"[warm start] step {len(losses)}/{settings.epochs * batches}, loss {losses[-1]:.3f}, "
                        f"{time.perf_counter() - started:.0f} s")
+                last_report = time.perf_counter()
         mean = sum(losses[-batches:]) / batches
         report(f"[warm start] epoch {epoch + 1}/{settings.epochs}: mean loss {mean:.3f}")
     tmp = out_dir.with_name(out_dir.name + ".tmp")

@@ -175,14 +175,23 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_progress_on_a_terminal_rewrites_one_line_in_place() -> None:
+def _segments(stream: io.StringIO) -> list[str]:
+    """What each redraw left on the terminal line (tqdm's carriage returns, without its ANSI clears)."""
+    text = stream.getvalue().replace("\x1b[A", "").replace("\x1b[2K", "")
+    return [part.rstrip("\n") for part in text.split("\r") if part.strip()]
+
+
+def test_progress_on_a_terminal_rewrites_one_line_in_place_within_its_width() -> None:
     stream = _Terminal()
-    with ProgressLine(10, stream, clock=lambda: 0.0) as progress:
+    with ProgressLine(10, stream, clock=lambda: 0.0, columns=60) as progress:
         progress.update(1, FULL_METRICS)
-        progress.update(2, {})  # shorter text: padded to blank out the longer one
-    first, second = stream.getvalue().removeprefix("\r").removesuffix("\n").split("\r")
-    assert first.startswith("step 1/10") and second.startswith("step 2/10")
-    assert len(second) == len(first) and second.endswith(" ")
+        progress.update(2, {})
+        progress.message("held-out success at step 2: 12.5% (95% interval 7.8–19.4%)")
+        progress.activity("step 3: rollouts 10 episodes done (16 per step), 6 running, 12.3k tokens sampled")
+    segments = _segments(stream)
+    assert segments[0].startswith("step 1/10") and any(s.startswith("step 2/10") for s in segments)
+    assert all(len(segment) <= 60 for segment in segments), segments  # never wider than the terminal
+    assert "held-out success at step 2: 12.5% (95% interval 7.8–19.4%)\n" in stream.getvalue()
     assert stream.getvalue().endswith("\n")
 
 
@@ -210,10 +219,17 @@ def test_activity_lines_never_delay_a_step_line_in_a_log_file() -> None:
         "step 1/3 (33%)", "  ... step 2: rollouts, 0:00:30", "step 2/3 (67%)", "step 3/3 (100%)"]
 
 
-def test_activity_on_a_terminal_follows_the_last_step_line_in_place() -> None:
+def test_activity_on_a_terminal_leads_the_last_step_line_in_place() -> None:
     stream = _Terminal()
-    with ProgressLine(10, stream, clock=lambda: 0.0) as progress:
+    with ProgressLine(10, stream, clock=lambda: 0.0, columns=200) as progress:
         progress.update(1, {})
         progress.activity("step 2: learner step, 0:00:03")
-    written = stream.getvalue().removesuffix("\n").split("\r")[1:]
-    assert written[1].startswith(written[0].rstrip() + " | step 2: learner step, 0:00:03")
+    segments = _segments(stream)
+    assert segments[-1].rstrip() == "step 2: learner step, 0:00:03 | " + segments[0].rstrip()
+
+
+def test_the_step_line_carries_the_success_trend_once_there_is_one() -> None:
+    line = format_progress(20, 100, {names.TREND_SUCCESS: 0.042, names.TREND_SUCCESS_LOW: -0.01,
+                                     names.TREND_SUCCESS_HIGH: 0.094})
+    assert "| success +4.2/100 steps (-1.0 to +9.4)" in line
+    assert "success" not in format_progress(3, 100, {})

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from learner.cli import main
-from learner.observability.trend import TrendError, pooled_trend, reward_trend
+from learner.observability import metric_names as names
+from learner.observability.trend import LearningSignal, TrendError, pooled_trend, reward_trend, success_trend
 
 
 def _write_run(run_dir: Path, successes_per_step: list[int], per_step: int = 8, torn: bool = False) -> Path:
@@ -54,9 +55,13 @@ def test_missing_or_damaged_logs_are_named(tmp_path: Path) -> None:
 
 def test_cli_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = _write_run(tmp_path / "run", [0, 1, 2, 3])
-    assert main(["trend", str(run), "--block", "2", "--resamples", "50"]) == 0
+    assert main(["trend", str(run), "--block", "2", "--resamples", "50", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [b["successes"] for b in result["blocks"]] == [1, 5]
+    assert main(["trend", str(run), "--block", "2", "--resamples", "50"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[2].split() == ["1–2", "16", f"{result['blocks'][0]['reward_mean']:.3f}", "1", "(", "6.2%)"]
+    assert table[-1].startswith("  trend: ") and "points of success per 100 steps (95% interval" in table[-1]
     assert main(["trend", str(tmp_path / "nowhere")]) == 2
 
 
@@ -88,8 +93,37 @@ def test_pooling_needs_two_runs(tmp_path: Path) -> None:
 
 def test_cli_pools_several_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     first, second = _write_run(tmp_path / "a", [0, 1, 2, 3]), _write_run(tmp_path / "b", [3, 2, 1, 0])
-    assert main(["trend", str(first), str(second), "--resamples", "50"]) == 0
+    assert main(["trend", str(first), str(second), "--resamples", "50", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["pooled"]["per_run_change_per_100_steps"] == [pytest.approx(12.5), pytest.approx(-12.5)]
     assert result["pooled"]["success_rate_change_per_100_steps"] == pytest.approx(0.0)
+    assert main(["trend", str(first), str(second), "--resamples", "50"]) == 0
+    pooled_line = capsys.readouterr().out.splitlines()[-1]
+    assert pooled_line.startswith("pooled over 2 runs: +0.0 points per 100 steps")
     assert main(["trend", str(first), str(tmp_path / "nowhere")]) == 2
+
+
+def test_the_live_signal_updates_every_few_steps_and_warns_when_success_falls(tmp_path: Path) -> None:
+    signal = LearningSignal(tmp_path, resume_from_step=0)
+    shown = {}
+    for step in range(1, 41):  # success falls from 8 of 8 to 0 of 8 over the run
+        successes = max(0, 8 - step // 5)
+        shown[step] = signal.update(step, [1.0] * successes + [0.1] * (8 - successes))
+    assert not any(shown[step] for step in range(1, 10)) and not shown[11]  # too early / not a 5th step
+    trend = shown[40]
+    assert trend[names.TREND_SUCCESS_HIGH] < 0 < 0.0 - trend[names.TREND_SUCCESS]
+    change, low, high = success_trend(signal.steps, seed=40)
+    assert [trend[k] for k in (names.TREND_SUCCESS, names.TREND_SUCCESS_LOW, names.TREND_SUCCESS_HIGH)] == (
+        pytest.approx([change / 100, low / 100, high / 100]))
+    warning = signal.warning(40, trend)
+    assert warning is not None and warning.startswith("warning: training success is falling at step 40")
+    assert signal.warning(45, trend) is None  # not again within 20 steps
+    assert signal.warning(60, {names.TREND_SUCCESS: 0.1, names.TREND_SUCCESS_LOW: -0.01,
+                               names.TREND_SUCCESS_HIGH: 0.2}) is None  # not significant: no warning
+
+
+def test_a_resumed_signal_starts_from_the_trajectory_log(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "run", [1, 2, 3, 4])
+    signal = LearningSignal(run, resume_from_step=2)
+    assert sorted(signal.steps) == [1, 2]
+    assert LearningSignal(tmp_path / "nowhere", resume_from_step=3).steps == {}

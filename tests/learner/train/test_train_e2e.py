@@ -282,3 +282,56 @@ def test_dynamic_sampling_trains_only_on_groups_with_signal(tmp_path: Path, tiny
         record = json.loads(line)
         groups.setdefault((record["step"], record["group"]), []).append(record["reward"])
     assert len(groups) == 6 and all(len(set(rewards)) > 1 for rewards in groups.values())
+
+
+def _interrupt_when(process: subprocess.Popen, seen: str, timeout: float = 300) -> tuple[list[str], float]:
+    """Read the run's terminal lines until one contains `seen`, send Ctrl-C (SIGINT); return the lines
+    read so far and the monotonic time of the signal."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    assert process.stderr is not None
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if seen in line:
+            process.send_signal(signal.SIGINT)
+            return lines, time.monotonic()
+    process.kill()
+    raise AssertionError(f"never saw {seen!r}: {''.join(lines)[-3000:]}")
+
+
+@needs_bwrap
+def test_ctrl_c_stops_the_warm_start_and_the_run_quickly_and_says_what_is_kept(tmp_path: Path,
+                                                                               tiny_model_dir: Path) -> None:
+    """One Ctrl-C: during the warm start it stops within an SFT step (nothing cached); during RL after a
+    checkpoint the run ends within seconds, names the checkpoint, and the same command resumes."""
+    config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=400, tool=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "learner.cli", "train", str(config)]
+    warm = ["warm_start.enabled=true", "warm_start.examples=64", "warm_start.epochs=50",
+            "warm_start.batch_size=2", f"model.cache_dir={tmp_path / 'cache'}"]
+    process = subprocess.Popen([*command, *warm], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    _, sent = _interrupt_when(process, "[warm start] step 1/")
+    _, rest = process.communicate(timeout=60)
+    assert process.returncode == 130 and time.monotonic() - sent < 30, rest[-3000:]
+    assert "stopped (Ctrl-C)" in rest and "no checkpoint was written yet" in rest, rest[-3000:]
+    assert not list((tmp_path / "cache" / "warm_start").glob("*/config.json"))  # nothing half-cached
+
+    process = subprocess.Popen([*command, "trainer.total_steps=400"], cwd=ROOT, env=env,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while latest_checkpoint(tmp_path / "run") is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # until step 2's checkpoint is whole
+    process.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, rest = process.communicate(timeout=60)
+    assert process.returncode == 130 and time.monotonic() - sent < 30, rest[-3000:]
+    checkpoint = latest_checkpoint(tmp_path / "run")
+    assert checkpoint is not None and f"kept: the newest checkpoint, {checkpoint}" in rest, rest[-3000:]
+    assert "run the same command again" in rest
+    kept = int(load_checkpoint(checkpoint, map_location="cpu")[1]["step"])
+    resumed = _vcpo("train", str(config), "--no-progress", f"trainer.total_steps={kept + 2}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["trainer_step"] for r in read_metrics(tmp_path / "run")] == list(range(1, kept + 3))
