@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from learner.observability import metric_names as names
 
 TRAJECTORIES_FILE = "trajectories.jsonl"
@@ -91,14 +93,32 @@ def _check(block: int, resamples: int) -> None:
 
 def success_trend(steps: dict[int, list[float]], *, success: float = 1.0, resamples: int = 400,
                   seed: int = 0) -> tuple[float, float, float]:
-    """(change, low, high): the success rate's change per 100 steps of `steps` (step → episode rewards)
-    and its 95% step-bootstrap interval, as fractions — what the live line shows while a run trains."""
-    hits = _hits(steps, success)
-    order = sorted(hits)
-    rng = random.Random(seed)
-    boots = [_change_per_100_steps(hits, [rng.choice(order) for _ in order]) for _ in range(resamples)]
-    low, high = _interval(boots)
-    return _change_per_100_steps(hits, order), low, high
+    """(change, low, high): the change of the success rate over 100 steps (0.09 = +9 points) by the
+    least-squares trend of the success indicator of
+    `steps` (step → episode rewards) and its 95% step-bootstrap interval — what the live line shows
+    while a run trains. The same estimate as `reward_trend`'s, from per-step sums with numpy, so that
+    it costs milliseconds at every size (its resamples are numpy's, not `reward_trend`'s)."""
+    order = sorted(steps)
+    x = np.array(order, dtype=np.float64)
+    counts = np.array([len(steps[s]) for s in order], dtype=np.float64)
+    wins = np.array([sum(1.0 for r in steps[s] if r >= success) for s in order], dtype=np.float64)
+    columns = np.stack([counts, counts * x, wins, counts * x * x, x * wins])  # (5, S) sufficient sums
+
+    def slopes(sums: np.ndarray) -> np.ndarray:
+        """Least-squares slopes from rows of (n, Σx, Σy, Σx², Σxy)."""
+        n, sx, sy, sxx, sxy = sums.T
+        denominator = n * sxx - sx * sx
+        safe = np.where(denominator > 0, denominator, 1.0)
+        return np.where(denominator > 0, (n * sxy - sx * sy) / safe, 0.0)
+
+    point = float(slopes(columns.sum(axis=1)[None, :])[0])
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(order), size=(resamples, len(order)))
+    multiplicity = np.zeros((resamples, len(order)))
+    np.add.at(multiplicity, (np.arange(resamples)[:, None], draws), 1.0)
+    boots = slopes(multiplicity @ columns.T)  # each resample: its steps' sums, with repeats
+    low, high = _interval([100.0 * float(b) for b in boots])
+    return 100.0 * point, low, high
 
 
 def reward_trend(run_dir: Path, *, block: int = 10, success: float = 1.0, resamples: int = 2000,
@@ -215,8 +235,7 @@ class LearningSignal:
         if len(self.steps) < TREND_MIN_STEPS or step % TREND_EVERY:
             return {}
         change, low, high = success_trend(self.steps, seed=step)
-        return {names.TREND_SUCCESS: change / 100.0, names.TREND_SUCCESS_LOW: low / 100.0,
-                names.TREND_SUCCESS_HIGH: high / 100.0}
+        return {names.TREND_SUCCESS: change, names.TREND_SUCCESS_LOW: low, names.TREND_SUCCESS_HIGH: high}
 
     def warning(self, step: int, trend: dict[str, float]) -> str | None:
         """A warning line when the trend's whole interval is below 0 (at most every `WARN_EVERY` steps)."""

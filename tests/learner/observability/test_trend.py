@@ -9,7 +9,14 @@ import pytest
 
 from learner.cli import main
 from learner.observability import metric_names as names
-from learner.observability.trend import LearningSignal, TrendError, pooled_trend, reward_trend, success_trend
+from learner.observability.trend import (
+    LearningSignal,
+    TrendError,
+    pooled_trend,
+    read_step_rewards,
+    reward_trend,
+    success_trend,
+)
 
 
 def _write_run(run_dir: Path, successes_per_step: list[int], per_step: int = 8, torn: bool = False) -> Path:
@@ -114,7 +121,7 @@ def test_the_live_signal_updates_every_few_steps_and_warns_when_success_falls(tm
     assert trend[names.TREND_SUCCESS_HIGH] < 0 < 0.0 - trend[names.TREND_SUCCESS]
     change, low, high = success_trend(signal.steps, seed=40)
     assert [trend[k] for k in (names.TREND_SUCCESS, names.TREND_SUCCESS_LOW, names.TREND_SUCCESS_HIGH)] == (
-        pytest.approx([change / 100, low / 100, high / 100]))
+        pytest.approx([change, low, high]))
     warning = signal.warning(40, trend)
     assert warning is not None and warning.startswith("warning: training success is falling at step 40")
     assert signal.warning(45, trend) is None  # not again within 20 steps
@@ -127,3 +134,13 @@ def test_a_resumed_signal_starts_from_the_trajectory_log(tmp_path: Path) -> None
     signal = LearningSignal(run, resume_from_step=2)
     assert sorted(signal.steps) == [1, 2]
     assert LearningSignal(tmp_path / "nowhere", resume_from_step=3).steps == {}
+
+
+def test_success_trend_is_reward_trends_estimate(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "run", [0, 1, 1, 3, 2, 4, 3, 5, 6, 5])
+    from_file = reward_trend(run, resamples=200)
+    change, low, high = success_trend(read_step_rewards(run))
+    assert change == pytest.approx(from_file["success_rate_change_per_100_steps"], abs=1e-4)
+    assert low < change < high
+    # the same resampling scheme: the intervals agree to within bootstrap noise
+    assert [low, high] == pytest.approx(from_file["ci95_change_per_100_steps"], rel=0.15)
