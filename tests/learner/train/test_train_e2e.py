@@ -170,12 +170,14 @@ def test_default_model_trains_on_the_shipped_countdown_task(tmp_path: Path, defa
     result = _vcpo("train", "configs/default.yaml", "--no-progress", f"run_dir={run_dir}",
                    f"model.path={default_model_dir}", "trainer.total_steps=2", "rollout.max_lag=1",
                    "rollout.groups_per_step=1", "algo.group_size=4", "warm_start.enabled=false",
+                   "trainer.eval_samples=8",
                    "task_overrides=[loop.max_turns=1, loop.max_total_tokens=384, "
                    "loop.max_new_tokens_per_turn=96, reward.format_score=0.1]", timeout=850)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run_dir)
-    assert [r["trainer_step"] for r in records] == [1, 2]
-    for record in records:
+    assert [r["trainer_step"] for r in records] == [0, 1, 2]  # 0: the held-out evaluation before RL
+    assert records[0]["eval/prompts"] == 8 and "eval/success" in records[2]  # and after the last step
+    for record in records[1:]:
         assert record["staleness/max"] <= 1 and record["tokens/generated"] > 0
         assert record["grad/norm"] is None or record["grad/norm"] >= 0
     lines = (run_dir / "trajectories.jsonl").read_text().splitlines()
