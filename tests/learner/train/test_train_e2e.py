@@ -197,7 +197,8 @@ def test_the_terminal_shows_our_progress_and_the_libraries_go_to_the_run_log(tmp
     allocator = "tcmalloc" if find_tcmalloc() else "glibc (tuned)"  # learner/launch/allocator.py
     assert lines[0] == (f"vcpo train: engine and library output → {library_log} (-v shows it here); "
                         f"memory allocator: {allocator}")
-    assert [line.split(" |")[0] for line in lines[1:]] == ["step 1/2 (50%)", "step 2/2 (100%)"], lines
+    assert lines[1] == "starting the rollout engine (hf), the learner and the tool sandbox", lines
+    assert [line.split(" |")[0] for line in lines[2:]] == ["step 1/2 (50%)", "step 2/2 (100%)"], lines
     assert "Loading weights" in library_log.read_text()  # the model loads, at least twice (engine, learner)
     verbose = _vcpo("-v", "train", str(config), "trainer.total_steps=3")  # resumes at 2; -v: all here
     assert verbose.returncode == 0, verbose.stderr[-3000:]
