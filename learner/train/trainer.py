@@ -451,6 +451,7 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
         heldout.discard_after(start_step)
     rewards: list[float] = []
     signal = LearningSignal(run_dir, start_step)
+    shown_trend: dict[str, float] = {}
     evaluations: list[HeldoutResult] = []
     is_finished = False
     started = time.perf_counter()
@@ -519,6 +520,7 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                 metrics.update(runtime.counters())
                 trend = signal.update(step + 1, [t.reward for t in batch.trajectories])
                 metrics.update(trend)
+                shown_trend = trend or shown_trend  # the line keeps the latest trend between updates
                 falling = signal.warning(step + 1, trend)
                 if falling is not None:
                     if display is not None:
@@ -533,7 +535,7 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                 metrics_log.log(step + 1, step + 1, metrics)
                 rewards.append(float(metrics.get("reward/mean", 0.0)))
                 if display is not None:
-                    display.update(step + 1, metrics)
+                    display.update(step + 1, {**shown_trend, **metrics})
                 is_last = is_finished = step + 1 == trainer.total_steps
                 if (step + 1) % trainer.checkpoint_every == 0 or is_last:
                     save_checkpoint(run_dir, step + 1, {"learner": learner.state_dict(), "rng": rng_state(),
