@@ -163,6 +163,16 @@ def paired_change(start: HeldoutResult, end: HeldoutResult) -> HeldoutChange:
     return HeldoutChange(start, end, gain, low, high)
 
 
+def falling_warning(start: HeldoutResult | None, result: HeldoutResult) -> str | None:
+    """A warning when `result` is significantly below `start` (the paired change's whole interval below 0)."""
+    if start is None or result.version <= start.version:
+        return None
+    change = paired_change(start, result)
+    if change.high >= 0:
+        return None
+    return f"warning: held-out success fell significantly: {change.line()}"
+
+
 def result_from_records(version: int, records: Sequence[dict[str, Any]], samples: Sequence[Sample], k: int,
                         seconds: float) -> HeldoutResult:
     """A `HeldoutResult` from an evaluation file's finished records (every (prompt, j < k) present)."""

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from agent_env.heldout import HeldoutChange, HeldoutEvaluator, HeldoutResult, paired_change
+from agent_env.heldout import HeldoutChange, HeldoutEvaluator, HeldoutResult, falling_warning, paired_change
 from agent_env.loop import Episode, EpisodeSettings, run_episode
 from agent_env.prompts import render_messages, render_prompt_ids
 from agent_env.samples import Sample
@@ -412,10 +412,15 @@ async def _evaluate(heldout: HeldoutEvaluator, version: int, live: LiveActivity 
     if live is not None:
         live.begin(version, "held-out eval")
     result = await heldout.run(version)
-    if display is not None:
-        display.message(result.line())
-    else:
-        log.info("%s", result.line())
+    lines = [result.line()]
+    falling = falling_warning(heldout.stored(0) if version > 0 else None, result)
+    if falling is not None:
+        lines.append(falling)
+    for line in lines:
+        if display is not None:
+            display.message(line)
+        else:
+            log.info("%s", line)
     return result
 
 

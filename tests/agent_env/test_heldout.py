@@ -13,6 +13,7 @@ import pytest
 from agent_env.heldout import (
     HeldoutEvaluator,
     HeldoutResult,
+    falling_warning,
     mean_t_interval,
     paired_change,
     select_heldout,
@@ -64,6 +65,12 @@ def test_paired_change_over_the_common_prompts() -> None:
     assert "+50.0 points" in change.line()
     with pytest.raises(ValueError, match="share no prompt"):
         paired_change(start, result(5, {"z": 1.0}))
+    assert falling_warning(start, end) is None  # a rise
+    many = {f"p{i}": 1.0 for i in range(20)}
+    fallen = result(20, {key: 0.0 for key in many})
+    warning = falling_warning(result(0, many), fallen)
+    assert warning is not None and warning.startswith("warning: held-out success fell significantly")
+    assert falling_warning(None, fallen) is None
 
 
 def test_select_heldout_drops_training_prompts_and_refuses_too_few() -> None:
