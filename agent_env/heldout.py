@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent_env.evaluate import evaluate, read_finished
+from agent_env.evaluate import evaluate, read_finished, summary_of
 from agent_env.loop import EpisodeSettings
 from agent_env.prompts import render_messages
 from agent_env.samples import Sample
@@ -176,8 +176,6 @@ def falling_warning(start: HeldoutResult | None, result: HeldoutResult) -> str |
 def result_from_records(version: int, records: Sequence[dict[str, Any]], samples: Sequence[Sample], k: int,
                         seconds: float) -> HeldoutResult:
     """A `HeldoutResult` from an evaluation file's finished records (every (prompt, j < k) present)."""
-    from agent_env.evaluate import summary_of
-
     wanted = {s.sample_id for s in samples}
     per_prompt: dict[str, list[float]] = {}
     for record in records:

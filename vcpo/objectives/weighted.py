@@ -41,6 +41,7 @@ from vcpo.opob import (
     reference_baseline_weights,
     reference_coefficients,
     reference_group_std,
+    reference_is_weights,
     reference_loglik_scale,
     reference_std_divisor,
     vcpo_coefficients,
@@ -198,7 +199,7 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
         finite; reference: the authors' unclamped fp32 exp(L_i) (inf past L ≈ 88.7: only b*'s weights
         read w, and `reference_baseline_weights` keeps them finite). w̄ = min(w, is_cap) in both."""
         if self.form == "reference":
-            weights = seq_log_ratios.detach().float().exp()
+            weights = reference_is_weights(seq_log_ratios).float()
         else:
             weights = sequence_is_weights(seq_log_ratios, self.max_log_ratio)
         return weights, truncated_is_weights(weights, self.is_cap)
