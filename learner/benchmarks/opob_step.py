@@ -94,9 +94,10 @@ class _Steps:
         self.size = rewards.numel()
         self.grpo = make_objective("grpo")
         with torch.no_grad():
-            self.old = [packed_target_logprobs(model, mb) for mb in microbatches]
+            self.old = [packed_target_logprobs(model, mb).float() for mb in microbatches]
         generator = torch.Generator().manual_seed(0)
-        self.behavior = [old + 0.05 * torch.randn(old.shape, generator=generator) for old in self.old]
+        self.behavior = [old + 0.05 * torch.randn(old.shape, generator=generator).to(old.device, old.dtype)
+                         for old in self.old]
         self.log_w = torch.cat([self._seq_sum(old - beh, mb) for old, beh, mb
                                 in zip(self.old, self.behavior, microbatches, strict=True)])
         self.padding = [TargetPadding(mb) for mb in microbatches]
@@ -132,7 +133,7 @@ class _Steps:
         self._finish(1.0)
 
     def vcpo_step(self, accumulate: Callable[..., Any]) -> None:
-        valid = torch.ones(self.size, dtype=torch.bool)
+        valid = torch.ones(self.size, dtype=torch.bool, device=self.rewards.device)
         weights = sequence_is_weights(self.log_w)
         truncated = truncated_is_weights(weights, IS_CAP)
         sigma = group_std(self.rewards, valid, self.groups)[self.groups.index]
@@ -147,12 +148,19 @@ class _Steps:
         self._finish(float(ess_lr_scale_sqrt(ess_ratio(self.log_w), base_ess_ratio=1.0)))
 
 
-def _median_times(runs: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, float]:
+def _median_times(runs: dict[str, Callable[[], None]], repeats: int, warmup: int,
+                  device: torch.device) -> dict[str, float]:
+    def synchronize() -> None:  # CUDA kernels run asynchronously: time them to their end
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_index in range(warmup + repeats):
         for name, run in runs.items():
+            synchronize()
             start = time.perf_counter()
             run()
+            synchronize()
             if round_index >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
@@ -161,7 +169,9 @@ def _median_times(runs: dict[str, Callable[[], None]], repeats: int, warmup: int
 def run_opob_bench(config: OpobBenchConfig, cache_dir: Path,
                    progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Measure every configured length; returns the JSON-able table with ratios and targets."""
-    model = build_bench_model(config.model, cache_dir, config.seed)
+    device = torch.device(config.device if config.device != "auto"
+                          else ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = build_bench_model(config.model, cache_dir, config.seed).to(device, getattr(torch, config.dtype))
     vocab = model.config.vocab_size
     params = sum(p.numel() for p in model.parameters())
     rows = []
@@ -169,8 +179,8 @@ def run_opob_bench(config: OpobBenchConfig, cache_dir: Path,
         trajectories, rewards = _batch(vocab, config, length)
         group_tokens = length * (config.num_trajectories // 2)
         budget = max(config.micro_batch_tokens, group_tokens)  # groups whole inside a micro-batch
-        microbatches = pack_trajectories(trajectories, max_tokens=budget)
-        steps = _Steps(model, microbatches, rewards)
+        microbatches = [mb.to(device) for mb in pack_trajectories(trajectories, max_tokens=budget)]
+        steps = _Steps(model, microbatches, rewards.to(device))
         runs: dict[str, Callable[[], None]] = {
             "old_forward_s": steps.old_forward,
             "grpo_step_s": steps.grpo_step,
@@ -185,7 +195,7 @@ def run_opob_bench(config: OpobBenchConfig, cache_dir: Path,
         row: dict[str, Any] = {"length": length, "num_trajectories": config.num_trajectories,
                                "micro_batches": len(microbatches),
                                "tokens": length * config.num_trajectories}
-        row.update(_median_times(runs, config.repeats, config.warmup_rounds))
+        row.update(_median_times(runs, config.repeats, config.warmup_rounds, device))
         row["vcpo_fast_over_grpo"] = row["vcpo_fast_step_s"] / row["grpo_step_s"]
         row["vcpo_per_trajectory_over_fast"] = (
             row["vcpo_per_trajectory_step_s"] / row["vcpo_fast_step_s"] if with_reference else None)
@@ -197,8 +207,10 @@ def run_opob_bench(config: OpobBenchConfig, cache_dir: Path,
         "benchmark": "opob",
         "model": config.model,
         "parameters": params,
-        "dtype": "float32",
-        "device": "cpu",
+        "dtype": config.dtype,
+        "device": str(device),
+        "peak_memory_mib": (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
+                            else None),
         "host": host_description(),
         "rows": rows,
         "target": {"vcpo_fast_over_grpo_max": 1.15, "worst_measured": worst,

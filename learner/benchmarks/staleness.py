@@ -128,11 +128,11 @@ def _run_config(bench: StalenessBenchConfig, method: StalenessMethodConfig, lag:
         "seed": seed,
         "model": {"path": str(model_dir)},
         "task": str(task_path),
-        "engine": {"backend": "hf", "max_batch_size": 256, "dtype": engine_dtype},
+        "engine": {"backend": "hf", "max_batch_size": 256, "dtype": engine_dtype, "device": bench.device},
         "algo": {**method.algo, "group_size": bench.group_size},
         "optim": {"lr": method.lr, "grad_clip": 1.0},
         "rollout": {"max_lag": lag, "groups_per_step": bench.groups_per_step, "saturate_lag": True},
-        "learner": {"device": "cpu", "micro_batch_tokens": 8192},
+        "learner": {"device": bench.device, "micro_batch_tokens": 8192},
         "trainer": {"total_steps": bench.steps, "checkpoint_every": bench.steps, "keep_checkpoints": 1,
                     "use_tensorboard": False, "save_trajectories": False},
     })
@@ -257,6 +257,8 @@ def run_key(bench: StalenessBenchConfig, job: Job, weights: str) -> str:
                   "steps": bench.steps,
                   "groups_per_step": bench.groups_per_step, "group_size": bench.group_size,
                   "algo": method.algo, "lr": method.lr, "lag": lag, "seed": seed, "numerics": numerics}
+    if bench.device != "cpu":  # CPU runs keep the keys they were stored under
+        decided_by["device"] = bench.device
     digest = hashlib.sha256(json.dumps(decided_by, sort_keys=True).encode()).hexdigest()[:12]
     return f"{_run_name(method, lag, seed, numerics)}-{digest}"
 
@@ -420,7 +422,11 @@ def run_staleness_bench(bench: StalenessBenchConfig, progress: Callable[[str], N
     (root / "summary.md").write_text(format_summary(result))
     if bench.mode == "matrix":
         (root / "summary.json").write_text(json.dumps(compact_summary(result), indent=1, allow_nan=True))
-        result["plots"] = [str(p) for p in plot_staleness(result, root)]
+        try:
+            result["plots"] = [str(p) for p in plot_staleness(result, root)]
+        except ImportError as exc:  # matplotlib is a dev extra: the figures are kept, the plots skipped
+            result["plots"] = []
+            result["plots_skipped"] = f"{exc}; pip install matplotlib to draw them"
     return result
 
 

@@ -1,0 +1,88 @@
+"""The GPU check (scripts/gpu_check.sh, scripts/gpu_check.py) fails on the GPU only for what only a GPU can
+show: every part's command line is a valid config here, in both its GPU and its rehearsal form, and the
+rehearsal's first part runs end to end and writes the report. The whole rehearsal (a fresh venv from the
+carried wheels, no network) is `bash scripts/gpu_check.sh --rehearse` (minutes; README "On a GPU")."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from configs.loader import load_config
+from configs.schema import RunConfig
+from learner.cli.config_catalog import bench_schema_of
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _config_and_overrides(argv: list[str]) -> tuple[str, Path, list[str]]:
+    """(command, config file, overrides) of a `python -m learner.cli train|bench ...` command line."""
+    args = argv[argv.index("learner.cli") + 1:]
+    if "--out" in args:
+        at = args.index("--out")
+        del args[at:at + 2]
+    if args[0] == "train":
+        rest = [a for a in args[1:] if not a.startswith("--")]
+        return "train", REPO / rest[0], rest[1:]
+    at = args.index("--config")
+    return f"bench {args[1]}", REPO / args[at + 1], args[at + 2:]
+
+
+@pytest.mark.parametrize("rehearse", [False, True], ids=["cuda_form", "rehearsal_form"])
+def test_every_part_command_is_a_valid_config(gpu_check: ModuleType, tmp_path: Path, rehearse: bool) -> None:
+    checked = []
+    for part in gpu_check.PARTS:
+        argv = part.argv(tmp_path, rehearse)
+        if "learner.cli" not in argv:
+            continue
+        command, config, overrides = _config_and_overrides(argv)
+        schema = RunConfig if command == "train" else bench_schema_of(config)
+        assert schema is not None, (part.name, config)
+        loaded = load_config(config, schema, overrides)
+        device = getattr(loaded, "device", None) or getattr(getattr(loaded, "learner", None), "device", None)
+        assert device == ("cpu" if rehearse else "cuda"), (part.name, device)
+        checked.append(part.name)
+    assert {"train_default", "train_lag0_fp32", "bench_learner_bf16", "bench_opob_fp32",
+            "staleness_tiny"} <= set(checked)
+
+
+def test_the_lag0_part_trains_at_lag_0_in_fp32(gpu_check: ModuleType, tmp_path: Path) -> None:
+    part = next(p for p in gpu_check.PARTS if p.name == "train_lag0_fp32")
+    _, config, overrides = _config_and_overrides(part.argv(tmp_path, False))
+    run = load_config(config, RunConfig, overrides)
+    assert run.rollout.max_lag == 0 and run.learner.autocast == "none" and run.model.dtype == "float32"
+
+
+def test_rehearsal_env_part_writes_the_report(tmp_path: Path) -> None:
+    argv = [sys.executable, str(SCRIPT), "--rehearse", "--parts", "env", "--out", str(tmp_path)]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    env = report["parts"]["env"]
+    assert report["rehearse"] and env["status"] == "ok"
+    assert env["result"]["device"] == "cpu" and env["result"]["matmul_peak_gflops"]["float32"] > 0
+    assert "not carried" in env["result"]["not_carried"] and "bwrap" in env["result"]
+    assert "===== env" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_an_unknown_part_is_refused_with_the_known_ones(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--parts", "nope", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown parts ['nope']" in done.stderr and "train_default" in done.stderr
