@@ -157,10 +157,10 @@ _TINY_LEARNER = ["kind=llama", "hidden_size=64", "intermediate_size=128", "num_h
                  "prompt=32", "sampled=16", "micro_batch_tokens=512", "steps=1", "peak_gemm_size=256"]
 
 
-def _train_argv(name: str, extra: list[str]) -> Callable[[Path, bool], list[str]]:
+def _train_argv(name: str, extra: list[str], rehearse_steps: int) -> Callable[[Path, bool], list[str]]:
     def argv(work: Path, rehearse: bool) -> list[str]:
         device = "cpu" if rehearse else "cuda"
-        sizes = (["trainer.total_steps=2", "trainer.eval_samples=4", "warm_start.examples=8",
+        sizes = ([f"trainer.total_steps={rehearse_steps}", "trainer.eval_samples=4", "warm_start.examples=8",
                   "warm_start.epochs=1"] if rehearse else [])
         return _vcpo("train", "--no-progress", "configs/default.yaml", f"run_dir={work / name}",
                      "engine.backend=hf", f"engine.device={device}", f"learner.device={device}",
@@ -211,7 +211,7 @@ PARTS = [
          lambda work, rehearse: _json(work / "env.json")),
     # the default job's 20 steps, engine and learner on the GPU (VCPO, k = 2, the default's autocast)
     Part("train_default", 200, _train_argv("train", ["trainer.total_steps=20", "trainer.eval_every=20",
-                                                     "trainer.eval_samples=32"]),
+                                                     "trainer.eval_samples=32"], 2),
          lambda work, rehearse: _train_summary(work, rehearse, "train")),
     Part("pytest_gpu", 120, _pytest_argv, _pytest_summary),
     Part("bench_learner_bf16", 60, _learner_argv("bfloat16"),
@@ -220,7 +220,7 @@ PARTS = [
          lambda work, rehearse: _opob_summary(work, rehearse, "opob_bfloat16")),
     # lag 0, fp32 everywhere: is π_old / μ exactly 1 when the engine samples with the learner's weights?
     Part("train_lag0_fp32", 60, _train_argv("lag0", ["trainer.total_steps=3", "trainer.eval_every=0",
-                                                     "rollout.max_lag=0", "learner.autocast=none"])
+                                                     "rollout.max_lag=0", "learner.autocast=none"], 1)
          , lambda work, rehearse: _train_summary(work, rehearse, "lag0")),
     Part("staleness_tiny", 90, _staleness_argv, _staleness_summary),
     Part("bench_learner_fp32", 60, _learner_argv("float32"),
