@@ -168,12 +168,12 @@ def _train_argv(name: str, extra: list[str], rehearse_steps: int) -> Callable[[P
     return argv
 
 
-def _learner_argv(dtype: str) -> Callable[[Path, bool], list[str]]:
+def _learner_argv(dtype: str, backends: str, name: str) -> Callable[[Path, bool], list[str]]:
     def argv(work: Path, rehearse: bool) -> list[str]:
         sizes = _TINY_LEARNER if rehearse else ["peak_gemm_size=8192"]
         return _vcpo("bench", "learner", "--config", "configs/bench/learner.yaml",
-                     f"device={'cpu' if rehearse else 'cuda'}", f"dtype={dtype}", *sizes,
-                     "--out", str(work / f"learner_{dtype}.json"))
+                     f"device={'cpu' if rehearse else 'cuda'}", f"dtype={dtype}", f"backends={backends}",
+                     *sizes, "--out", str(work / f"{name}.json"))
     return argv
 
 
@@ -206,25 +206,29 @@ def _staleness_argv(work: Path, rehearse: bool) -> list[str]:
 
 
 PARTS = [
-    Part("env", 60, lambda work, rehearse: [sys.executable, __file__, "--probe"]
+    Part("env", 45, lambda work, rehearse: [sys.executable, __file__, "--probe"]
          + (["--rehearse"] if rehearse else []),
          lambda work, rehearse: _json(work / "env.json")),
     # the default job's 20 steps, engine and learner on the GPU (VCPO, k = 2, the default's autocast)
-    Part("train_default", 200, _train_argv("train", ["trainer.total_steps=20", "trainer.eval_every=20",
+    Part("train_default", 240, _train_argv("train", ["trainer.total_steps=20", "trainer.eval_every=20",
                                                      "trainer.eval_samples=32"], 2),
          lambda work, rehearse: _train_summary(work, rehearse, "train")),
-    Part("pytest_gpu", 120, _pytest_argv, _pytest_summary),
-    Part("bench_learner_bf16", 60, _learner_argv("bfloat16"),
-         lambda work, rehearse: _learner_summary(work, rehearse, "learner_bfloat16")),
+    Part("pytest_gpu", 90, _pytest_argv, _pytest_summary),
+    # the torch learner apart from megatron's: a bench writes its JSON at its end, so one backend that
+    # overruns would take the other's figures with it
+    Part("bench_learner_bf16", 60, _learner_argv("bfloat16", "[torch]", "learner_bf16"),
+         lambda work, rehearse: _learner_summary(work, rehearse, "learner_bf16")),
     Part("bench_opob_bf16", 45, _opob_argv("bfloat16"),
          lambda work, rehearse: _opob_summary(work, rehearse, "opob_bfloat16")),
     # lag 0, fp32 everywhere: is π_old / μ exactly 1 when the engine samples with the learner's weights?
-    Part("train_lag0_fp32", 60, _train_argv("lag0", ["trainer.total_steps=3", "trainer.eval_every=0",
+    Part("train_lag0_fp32", 75, _train_argv("lag0", ["trainer.total_steps=3", "trainer.eval_every=0",
                                                      "rollout.max_lag=0", "learner.autocast=none"], 1)
          , lambda work, rehearse: _train_summary(work, rehearse, "lag0")),
     Part("staleness_tiny", 90, _staleness_argv, _staleness_summary),
-    Part("bench_learner_fp32", 60, _learner_argv("float32"),
-         lambda work, rehearse: _learner_summary(work, rehearse, "learner_float32")),
+    Part("bench_megatron_bf16", 120, _learner_argv("bfloat16", "[megatron]", "megatron_bf16"),
+         lambda work, rehearse: _learner_summary(work, rehearse, "megatron_bf16")),
+    Part("bench_learner_fp32", 60, _learner_argv("float32", "[torch,torch-autocast]", "learner_fp32"),
+         lambda work, rehearse: _learner_summary(work, rehearse, "learner_fp32")),
     Part("bench_opob_fp32", 45, _opob_argv("float32"),
          lambda work, rehearse: _opob_summary(work, rehearse, "opob_float32")),
 ]
@@ -283,7 +287,7 @@ def main() -> int:
     parser.add_argument("--rehearse", action="store_true", help="CPU as the device, tiny sizes")
     parser.add_argument("--parts", default="", help="comma-separated part names (default: all)")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for all parts together (default 400; x3 with --rehearse)")
+                        help="seconds for all parts together (default 480; x3 with --rehearse)")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -297,7 +301,7 @@ def main() -> int:
     unknown = set(names) - {part.name for part in PARTS}
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; known: {[part.name for part in PARTS]}")
-    budget = args.budget if args.budget is not None else 400.0 * (3 if args.rehearse else 1)
+    budget = args.budget if args.budget is not None else 480.0 * (3 if args.rehearse else 1)
     report = run_parts(args.out, args.rehearse, names or None, budget)
     failed = [name for name, entry in report["parts"].items() if entry["status"] != "ok"]
     print(f"[gpu_check] report: {args.out / 'report.json'}; not ok: {failed or 'none'}")

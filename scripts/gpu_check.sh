@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh --rehearse   # here: the same, CPU as the device, tiny sizes, no network
 #
 # Options: --out DIR (default runs/gpu_check, or $OUT where set), --parts a,b (scripts/gpu_check.py
-# lists them), --budget SECONDS (all parts together, default 400; ×3 with --rehearse).
+# lists them), --budget SECONDS (all parts together, default 480; ×3 with --rehearse).
 # The venv sees the base Python's packages (torch with CUDA, transformers, ...) through a .pth file and
 # gets everything else from .gpu/wheels-cpXY only (pip --no-index). The default model travels as the
 # two halves of its GGUF (.gpu/model-a, .gpu/model-b; a device call carries at most 64 MiB) and is

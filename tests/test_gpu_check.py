@@ -59,8 +59,8 @@ def test_every_part_command_is_a_valid_config(gpu_check: ModuleType, tmp_path: P
         device = getattr(loaded, "device", None) or getattr(getattr(loaded, "learner", None), "device", None)
         assert device == ("cpu" if rehearse else "cuda"), (part.name, device)
         checked.append(part.name)
-    assert {"train_default", "train_lag0_fp32", "bench_learner_bf16", "bench_opob_fp32",
-            "staleness_tiny"} <= set(checked)
+    assert {"train_default", "train_lag0_fp32", "bench_learner_bf16", "bench_megatron_bf16",
+            "bench_opob_fp32", "staleness_tiny"} <= set(checked)
 
 
 def test_the_lag0_part_trains_at_lag_0_in_fp32(gpu_check: ModuleType, tmp_path: Path) -> None:

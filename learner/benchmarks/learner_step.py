@@ -154,7 +154,7 @@ def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: tor
                          "use device='cuda' or backend='torch'")
     from learner.backends.megatron.learner import MegatronLearner, init_model_parallel
 
-    torch.cuda.set_device(torch.device(device))
+    torch.cuda.set_device(torch.device(device).index or 0)  # set_device refuses a bare 'cuda'
     init_model_parallel(megatron, backend="nccl")
     return MegatronLearner(hf_dir, algo, optim, megatron, micro_batch_tokens=micro_batch_tokens, dtype=dtype,
                            device=torch.device("cuda", torch.cuda.current_device()))
