@@ -198,7 +198,7 @@ def test_retention_answers_loses_5_and_20_percent_with_welch_intervals_and_the_k
     ("staleness.json", {}),
     ("staleness_5seeds.json", {"lags": [0, 128], "seeds": [0, 1, 2, 3, 4]}),
     ("staleness_10seeds.json", {"lags": [0, 128], "seeds": list(range(10)),
-                                "only": ["vcpo_spec", "vcpo_reference"]}),
+                                "only": ["seq_tis", "m2po", "vcpo_spec", "vcpo_reference"]}),
     ("staleness_common_lr.json", {"common_lr": 1e-4}),
     ("staleness_common_lr_5seeds.json", {"common_lr": 1e-4, "lags": [0, 128], "seeds": [0, 1, 2, 3, 4]}),
     ("staleness_bf16_engine.json", {"numerics": ["bf16_engine"], "lags": [0, 32], "seeds": [0],
