@@ -1,7 +1,7 @@
 """Countdown: make, solve and check "use these numbers once each to reach the target" puzzles.
 
 * `generate_countdown_rows` / `generate_countdown`: seeded instances in the style of the
-  Countdown-Tasks-3to4 data (COUNTDOWN.md §2): target uniform in [min_target, max_target], 3–4
+  Countdown-Tasks-3to4 data: target uniform in [min_target, max_target], 3–4
   numbers uniform in 1..max_number, numbers redrawn until the instance is solvable.
 * `solve`: exhaustive search with exact rational arithmetic (`Fraction`), each number used once,
   + − × ÷ and parentheses; returns one solution as an expression string.

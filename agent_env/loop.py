@@ -1,4 +1,4 @@
-"""The multi-turn SimpleTIR agent loop (AGENT_LOOP.md): one episode, token-in/token-out.
+"""The multi-turn SimpleTIR agent loop (docs/agent_loop.md): one episode, token-in/token-out.
 
 `run_episode` renders nothing and decodes nothing back into the context: it starts from the
 prompt's token ids, appends exactly the tokens the engine returned (loss_mask 1, with their

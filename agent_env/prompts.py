@@ -1,6 +1,6 @@
 """Prompt rendering: a sample's fields into the task's system/user text, then the model's chat template.
 
-Tokenised exactly once per episode (AGENT_LOOP.md step 1); the agent loop never re-tokenises it.
+Tokenised exactly once per episode (docs/agent_loop.md step 1); the agent loop never re-tokenises it.
 """
 
 from __future__ import annotations

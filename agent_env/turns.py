@@ -1,6 +1,6 @@
 """What one model turn asks for, decided from its text alone (no I/O): run code, answer, or neither.
 
-SimpleTIR-style turns (AGENT_LOOP.md): the model writes reasoning and at most one fenced
+SimpleTIR-style turns (docs/agent_loop.md): the model writes reasoning and at most one fenced
 ```` ```python ```` block per turn; generation stops at the block's closing fence. The fence
 language is the tool's (`CodeFence`: python unless the tool declares `code_fence`, e.g. ```` ```sql ````
 for a SQL tool). A turn

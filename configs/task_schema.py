@@ -137,7 +137,7 @@ class PromptConfig(StrictModel):
 
 
 class LoopConfig(StrictModel):
-    """Budgets and sampling of the multi-turn tool loop during training (AGENT_LOOP.md)."""
+    """Budgets and sampling of the multi-turn tool loop during training (docs/agent_loop.md)."""
 
     max_turns: int = Field(5, ge=0)
     """Most tool calls per episode; 0 = the model answers without running code."""

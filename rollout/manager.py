@@ -1,6 +1,6 @@
 """The asynchronous rollout manager: groups of episodes in flight with a guaranteed lag bound `k`.
 
-Semantics (ARCHITECTURE.md, PipelineRL-style). Groups are admitted in order; group `i` gets a
+Semantics (docs/architecture.md, PipelineRL-style). Groups are admitted in order; group `i` gets a
 *batch slot* `b = i // groups_per_batch` and is consumed by learner step `b`, which runs at policy
 version `b` (version = optimizer steps done). Group `i` is admitted only once the published version
 `v ≥ b − k`. Its first token is sampled at a version `v_start ≥ v` (versions never decrease), so its

@@ -58,7 +58,7 @@ class VLLMEngineSettings(StrictFrozenModel):
     """Backend name."""
     dtype: Dtype = "float32"
     """Model dtype. float32 matches an fp32 learner to ~1e-4; bfloat16 is ~2x faster on AMX CPUs but
-    leaves a ~0.04 per-token logprob gap (STACK.md)."""
+    leaves a ~0.04 per-token logprob gap."""
     max_model_len: int = Field(4096, gt=0)
     """Prompt + generated tokens cap; also sizes the scheduler's buffers."""
     max_num_seqs: int = Field(64, gt=0)
@@ -78,7 +78,7 @@ class VLLMEngineSettings(StrictFrozenModel):
     block_size: int | None = Field(None, gt=0)
     """Tokens per KV-cache block, the granularity of prefix caching (a turn's history is reused up to its
     last full block). None: 32 on CPUs (vLLM-CPU's own default, 128, recomputed up to 127 tokens of every
-    multi-turn request; measured in docs/results.md, issue #19), vLLM's default elsewhere. vLLM-CPU wants
+    multi-turn request; measured in docs/results.md), vLLM's default elsewhere. vLLM-CPU wants
     a multiple of 32."""
     cpu_kv_cache_space_gib: int = Field(2, gt=0)
     """CPU only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE). Unset, vLLM asks for 92% of RAM."""

@@ -1,4 +1,4 @@
-"""The Trajectory: the one data contract between rollout and learner (ARCHITECTURE.md).
+"""The Trajectory: the one data contract between rollout and learner (docs/architecture.md).
 
 A trajectory is a prompt plus every turn, as the exact token ids the engine consumed and produced
 (never re-tokenised), with per-token alignment:

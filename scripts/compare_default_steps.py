@@ -1,4 +1,4 @@
-"""Time the default run's RL step at two commits on this machine, back to back (issue #19's "≤ 0.4×").
+"""Time the default run's RL step at two commits on this machine, back to back.
 
     .venv/bin/python scripts/compare_default_steps.py --before <rev> [--steps 8] [--model DIR]
         [--after-set a.b=c ...] [a.b=c ...]
@@ -56,7 +56,7 @@ def _run(tree: Path, run_dir: Path, model: str, steps: int, extra: list[str]) ->
 
 GROUP_COUNTS = ("degenerate_groups", "skipped_groups")
 """Per timed step: groups whose rewards were all equal, and those the learner left out of its gradient pass
-(VCPO, since issue #19's seventh session; 0 where a checkout does not log it). A step's learner time
+(VCPO; 0 where a checkout does not log it). A step's learner time
 depends on them, so the two sides' counts are printed next to their times."""
 
 

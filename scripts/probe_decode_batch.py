@@ -8,8 +8,8 @@ SmolLM2-135M-Instruct, converted once), fills it with `--batch` requests of `--p
 tokens each generating exactly `--new` tokens (temperature 1, EOS ignored), warms up once, then prints one
 JSON line: the first step's time (the prefill) and the median and 10th percentile of the decode steps.
 `--profile` adds torch.profiler's operator table (self CPU) over 30 decode steps of a second fill. Run it
-with nothing else on the cores: issue #19's default run is generation-bound on the steps whose groups all
-scored alike, and this is that generation's floor on this engine (docs/results.md, seventh session).
+with nothing else on the cores: the default run is generation-bound on the steps whose groups all
+scored alike, and this is that generation's floor on this engine (docs/results.md).
 `TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1` names inductor's kernels in the table (it recompiles; pair it
 with `--cache DIR` so the run's cache stays as it is).
 """

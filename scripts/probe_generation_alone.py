@@ -10,7 +10,7 @@ the first, the wall time the step's generation took (`time/generate`) and the pr
 (`time/cpu`, tool-call children included), their medians, and per vLLM engine step (when the engine is
 vLLM) its wall time against the tokens it scheduled: decode-only steps (≤ 64 tokens) by batch size and
 the steps that prefilled. A sleep shorter than generation makes the learner wait (generation is then
-the step); longer, the engine idles at the lag bound between steps. Issue #19: the default run's step
+the step); longer, the engine idles at the lag bound between steps. The default run's step
 cannot be shorter than (generation's CPU-seconds + the learner's) / cores; this measures the first term.
 """
 

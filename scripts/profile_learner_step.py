@@ -1,4 +1,4 @@
-"""The learner step's top kernels at two commits, back to back (issue #19: "the before/after table").
+"""The learner step's top kernels at two commits, back to back (a before/after table).
 
     .venv/bin/python scripts/profile_learner_step.py --before <rev> [--backend torch-autocast]
         [--steps 2] [--top 20] [--tokens 240 --prompt 150 --sampled 70 --groups 2 --group-size 8]
@@ -29,7 +29,7 @@ PYTHON = ROOT / ".venv" / "bin" / "python"
 sys.path.insert(0, str(ROOT / "scripts"))
 from compare_default_steps import checkout  # noqa: E402  (a sibling script: the shared worktree helper)
 
-# Runs inside each side's checkout; only APIs that exist at both ends of issue #19 (70f0a7c .. now).
+# Runs inside each side's checkout; only APIs that exist at both ends (70f0a7c .. now).
 _CHILD = r"""
 import inspect, json, sys, tempfile, time
 from pathlib import Path

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The staleness showcase on the real model (issue #8): VCPO vs sequence TIS on the default run's
+# The staleness showcase on the real model: VCPO vs sequence TIS on the default run's
 # workload (SmolLM2-135M, Countdown + Python tool), at k = 0 and at a large lag, every batch lagging
 # by exactly min(k, step) (rollout.saturate_lag), then one comparison PNG. CPU-sized by default:
 #   STEPS=10 LAG=8 bash scripts/showcase_staleness.sh        (≈ 4 runs × STEPS × ~30 s on 2 cores)

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/step_time_by_degenerate_groups.py RUN_DIR [RUN_DIR ...] [--mix RUN_DIR ...]
 
 Why: since VCPO's degenerate groups (every episode of the group scored the same) are left out of the
-learner's gradient pass (issue #19, seventh session), a step's time depends on how many of its groups were
+learner's gradient pass, a step's time depends on how many of its groups were
 degenerate, and that fraction depends on the policy — a run that collapses into all-equal rewards gets
 fast. So two runs' mean steps compare their data as much as their code. For each run (its steps 2..N; step 1
 includes the engines' start-up) this prints the mean `time/step` per count of degenerate groups, the

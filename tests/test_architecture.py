@@ -1,9 +1,9 @@
 """The architecture's layering, checked on the source: imports only point downwards.
 
-ARCHITECTURE.md: `vcpo/` imports nothing of the project (and only torch outside the stdlib);
+docs/architecture.md: `vcpo/` imports nothing of the project (and only torch outside the stdlib);
 `tools/` and `rollout/` import only `vcpo/` at most; `agent_env/` may import `rollout/` and
 `tools/`, and the task schema in `configs/` (pydantic-only, the bottom layer: a task component
-takes its own validated section, as STYLE.md §4 asks); `learner/` (and the CLI in it) may import
+takes its own validated section); `learner/` (and the CLI in it) may import
 all; `configs/` imports only itself (pydantic, yaml). Imports inside `if TYPE_CHECKING:` blocks
 count too: the rule is about design, not runtime.
 """

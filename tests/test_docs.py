@@ -210,6 +210,66 @@ def test_no_doc_refers_to_files_outside_the_repo(doc: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Check 2b: code and configs point only at documents the repo has, and carry no work-log history
+# (an issue number or a session belongs in a commit message or a note, not in a comment)
+
+_SOURCE_SUFFIXES = (".py", ".yaml", ".yml", ".sh")
+_HISTORY = [re.compile(r"\b[Ii]ssues? #\d+"),
+            re.compile(r"\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth"
+                       r"|\d+(?:st|nd|rd|th)) session\b", re.IGNORECASE)]
+
+
+def _sources() -> list[str]:
+    this = Path(__file__).resolve()
+    return sorted(str(p.relative_to(ROOT)) for folder in REPO_DIRS if folder != "docs"
+                  for p in (ROOT / folder).rglob("*") if p.suffix in _SOURCE_SUFFIXES and p.is_file()
+                  and p.resolve() != this and "__pycache__" not in p.parts)
+
+
+SOURCES = _sources()
+
+
+# files the code writes (a benchmark's report), not documents it points a reader at
+_WRITTEN = {"summary.md"}
+
+
+def source_problems(path: str, text: str) -> list[str]:
+    problems = [f"mentions {m.group(0)!r}" for m in re.finditer(r"(?:\.\./)?shared/docs\b[\w./-]*", text)]
+    known = _repo_markdown_names() | _WRITTEN
+    for name in sorted({m.group(1) for m in _MD_NAME.finditer(text)}):
+        here = (ROOT / path).parent / name
+        if not ((ROOT / name).exists() or here.exists() or Path(name).name in known):
+            problems.append(f"refers to {name}, which the repo does not have")
+    problems += [f"history in code: {m.group(0)!r}" for pattern in _HISTORY for m in pattern.finditer(text)]
+    return problems
+
+
+def test_the_source_scan_covers_the_packages_configs_and_scripts() -> None:
+    assert {"vcpo/opob.py", "configs/default.yaml", "scripts/run.sh",
+            "learner/train/trainer.py"} <= set(SOURCES)
+
+
+@pytest.mark.parametrize("path", SOURCES)
+def test_no_source_refers_to_missing_docs_or_carries_history(path: str) -> None:
+    problems = source_problems(path, (ROOT / path).read_text(errors="replace"))
+    assert not problems, f"{path}: {problems}"
+
+
+@pytest.mark.parametrize("snippet", [
+    "# See ../shared/docs/VCPO.md for the math.",
+    '"""The layers (ARCHITECTURE.md)."""',
+    "# measured in docs/results.md, issue #19",
+    "# since the seventh session the proximal pass is reused",
+])
+def test_the_source_check_catches_a_bad_reference_or_history(snippet: str) -> None:
+    assert source_problems("vcpo/example.py", snippet)
+
+
+def test_the_source_check_accepts_a_reference_into_docs() -> None:
+    assert not source_problems("vcpo/example.py", "# the formula is in docs/algorithm.md (OPOB)")
+
+
+# ---------------------------------------------------------------------------------------------
 # Check 3: `vcpo …` commands parse with the real CLI; their overrides name real config fields
 
 _VCPO = re.compile(r"(?:^|(?<=[\s/(\"'`]))vcpo[ \t]+(?=[a-z-])")

@@ -1,6 +1,6 @@
 """Importance weights between the learner's policy and the engine's behaviour policy μ.
 
-Notation of VCPO.md: ℓ_{i,t} = log π(y_t|y_<t) − log μ_t on the model-generated positions M_i
+Notation of docs/algorithm.md: ℓ_{i,t} = log π(y_t|y_<t) − log μ_t on the model-generated positions M_i
 (`loss_mask`), L_i = Σ_{t∈M_i} ℓ_{i,t}, w_i = exp(L_i), w̄_i = min(w_i, C). Which π is used is the
 caller's choice; the objectives pass the proximal policy π_old (the learner's recomputed logprobs at
 the start of the step), which is π_θ at the moment the step's gradient is taken.
@@ -29,7 +29,7 @@ def token_log_ratios(logprobs: Tensor, behavior_logprobs: Tensor, loss_mask: Ten
     behavior_logprobs: (B, T) log μ the engine reported for the sampled tokens.
     loss_mask: (B, T) bool, True on the positions M_i the model generated.
     """
-    # VCPO.md: ℓ_{i,t} = log π_θ(y_t | y_<t) − log μ_t, only for t ∈ M_i.
+    # docs/algorithm.md: ℓ_{i,t} = log π_θ(y_t | y_<t) − log μ_t, only for t ∈ M_i.
     diff = logprobs.detach().float() - behavior_logprobs.detach().float()
     return torch.where(loss_mask, diff, torch.zeros_like(diff))
 
@@ -39,7 +39,7 @@ def sequence_log_ratios(logprobs: Tensor, behavior_logprobs: Tensor, loss_mask: 
 
     Arguments as in `token_log_ratios`.
     """
-    # VCPO.md: L_i = Σ_{t∈M_i} ℓ_{i,t}.
+    # docs/algorithm.md: L_i = Σ_{t∈M_i} ℓ_{i,t}.
     return token_log_ratios(logprobs, behavior_logprobs, loss_mask).sum(dim=-1)
 
 
@@ -53,13 +53,13 @@ def sequence_is_weights(seq_log_ratios: Tensor, max_log_ratio: float = DEFAULT_M
 
     seq_log_ratios: (B,) L_i from `sequence_log_ratios`.
     """
-    # VCPO.md: w_i = exp(L_i), fp32, L_i clamped to a safe range before exp.
+    # docs/algorithm.md: w_i = exp(L_i), fp32, L_i clamped to a safe range before exp.
     return clamp_log_ratios(seq_log_ratios.float(), max_log_ratio).exp()
 
 
 def truncated_is_weights(is_weights: Tensor, cap: float = 8.0) -> Tensor:
-    """w̄ = min(w, C) (any shape). is_weights: IS weights ≥ 0; cap: C (VCPO.md default 8)."""
-    # VCPO.md: w̄_i = min(w_i, C).
+    """w̄ = min(w, C) (any shape). is_weights: IS weights ≥ 0; cap: C (docs/algorithm.md default 8)."""
+    # docs/algorithm.md: w̄_i = min(w_i, C).
     return is_weights.clamp(max=cap)
 
 
@@ -75,7 +75,7 @@ def token_tis_weights(
     old_logprobs: (B, T) log π_old (proximal policy) of the sampled tokens.
     behavior_logprobs: (B, T) log μ of the sampled tokens.
     loss_mask: (B, T) bool generated positions.
-    cap: C_tok (VCPO.md default 2).
+    cap: C_tok (docs/algorithm.md default 2).
     Reference: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
     Training" (truncated IS for the rollout/trainer mismatch).
     """
@@ -101,7 +101,7 @@ def effective_sample_size(log_weights: Tensor, valid: Tensor | None = None) -> T
     shift = masked.max() if masked.numel() > 0 else torch.zeros((), device=log_weights.device)
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
     scaled = torch.where(valid, (masked - shift).exp(), torch.zeros_like(log_weights))
-    # VCPO.md: ESS = (Σ_i w_i)² / Σ_i w_i²
+    # docs/algorithm.md: ESS = (Σ_i w_i)² / Σ_i w_i²
     total = scaled.sum()
     total_sq = (scaled * scaled).sum()
     return torch.where(
@@ -116,5 +116,5 @@ def ess_ratio(log_weights: Tensor, valid: Tensor | None = None) -> Tensor:
     """
     count = log_weights.numel() if valid is None else valid.sum()
     count = torch.as_tensor(count, dtype=torch.float32, device=log_weights.device)
-    # VCPO.md: ρ = ESS / B
+    # docs/algorithm.md: ρ = ESS / B
     return effective_sample_size(log_weights, valid) / count.clamp_min(1.0)

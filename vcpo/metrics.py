@@ -1,11 +1,11 @@
-"""Staleness, importance-sampling and baseline metrics every training step logs (VCPO.md).
+"""Staleness, importance-sampling and baseline metrics every training step logs (docs/algorithm.md).
 
 Metric names are the constants below; every function returns dict[str, Tensor] of 0-d tensors
 (the staleness histogram is a 1-d tensor of counts). Nothing is synced or logged here.
 
 KL convention: `is/kl_k3` estimates KL(μ‖π) from the tokens sampled by μ. With ℓ = log π − log μ,
 the K3 estimator under samples from μ is e^{ℓ} − 1 − ℓ (unbiased: E_μ[e^ℓ] = 1, so
-E_μ[e^ℓ − 1 − ℓ] = E_μ[log μ − log π]; and ≥ 0). VCPO.md writes e^{−ℓ} + ℓ − 1, which is the K3
+E_μ[e^ℓ − 1 − ℓ] = E_μ[log μ − log π]; and ≥ 0). docs/algorithm.md writes e^{−ℓ} + ℓ − 1, which is the K3
 estimator of KL(π‖μ) under samples from π; our samples come from μ, hence the form used here.
 π is the proximal policy π_old (the learner's logprobs at the start of the step).
 """

@@ -75,7 +75,7 @@ def opob_baseline_weights(
     weights = sq_grad_norms.detach().double()
     if is_weights is not None:
         w = is_weights.detach().double()
-        weights = w * w * weights  # VCPO.md: b* weight w_i² ‖∇ℓ_i‖² (the only place w² appears)
+        weights = w * w * weights  # docs/algorithm.md: b* weight w_i² ‖∇ℓ_i‖² (the only place w² appears)
     if num_tokens is not None:
         length = num_tokens.detach().double().clamp_min(1.0)
         weights = weights / (length * length)  # option: divide the weight by |M_i|²
@@ -96,7 +96,7 @@ def _with_fallback(
 def weighted_mean_baseline(
     rewards: Tensor, baseline_weights: Tensor, valid: Tensor, groups: GroupIndex
 ) -> GroupBaseline:
-    """b*_g = Σ_{i∈g} ω_i R_i / Σ_{i∈g} ω_i (the closed-form OPOB; VCPO.md).
+    """b*_g = Σ_{i∈g} ω_i R_i / Σ_{i∈g} ω_i (the closed-form OPOB; docs/algorithm.md).
 
     rewards: (B,) R_i. baseline_weights: (B,) ω_i from `opob_baseline_weights`.
     valid: (B,) bool, trajectories that count (others get ω = 0). groups: the baseline's scope
@@ -183,7 +183,7 @@ BASELINE_AGGREGATIONS = {
     "weighted_median": weighted_median_baseline,
     "winsorized_mean": winsorized_mean_baseline,
 }
-"""How b* combines a group's rewards, by name (VCPO.md: weighted mean is the default)."""
+"""How b* combines a group's rewards, by name (docs/algorithm.md: weighted mean is the default)."""
 
 
 def opob_advantages(
@@ -202,7 +202,7 @@ def opob_advantages(
     """
     centred = rewards.double() - baseline.double()
     if divide_by_std:
-        centred = centred / (group_std.double() + eps)  # VCPO.md: (R_i − b*_g) / σ_g
+        centred = centred / (group_std.double() + eps)  # docs/algorithm.md: (R_i − b*_g) / σ_g
     return torch.where(keep, centred, torch.zeros_like(centred)).float()
 
 
@@ -240,7 +240,7 @@ def vcpo_loss(seq_logliks: Tensor, truncated_weights: Tensor, advantages: Tensor
     coefficient = (truncated_weights.detach().float() * advantages.float()).to(seq_logliks.dtype)
     loglik = torch.where(valid, seq_logliks, torch.zeros_like(seq_logliks))
     count = valid.sum().clamp_min(1).to(seq_logliks.dtype)
-    # VCPO.md: ĝ = (1/B) Σ_i w̄_i (R_i − b*_g)/σ_g ∇ℓ_i  (loss = −that objective)
+    # docs/algorithm.md: ĝ = (1/B) Σ_i w̄_i (R_i − b*_g)/σ_g ∇ℓ_i  (loss = −that objective)
     return -(coefficient * loglik).sum() / count
 
 
@@ -262,7 +262,8 @@ def vcpo_loss(seq_logliks: Tensor, truncated_weights: Tensor, advantages: Tensor
 OPOB_FORMS = ("spec", "reference")
 REFERENCE_AGGREGATION_MODES = {"seq-mean-token-mean": "length", "seq-mean-token-sum": "one"}
 """Loss aggregations the reference form supports, and the factor c_i with Σ_t log π = c_i ℓ_i."""
-"""`spec`: ω_i = w_i² ‖∇ℓ_i‖² (VCPO.md). `reference`: the authors' code, ω_i = w̄_i² w_i² ‖∇Σ_t log π‖²."""
+"""`spec`: ω_i = w_i² ‖∇ℓ_i‖² (docs/algorithm.md). `reference`: the authors' code,
+ω_i = w̄_i² w_i² ‖∇Σ_t log π‖²."""
 
 REFERENCE_EPS = 1e-8
 """The authors' ε: in b's denominator and as the σ floor below which the advantage is not divided."""

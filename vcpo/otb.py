@@ -2,7 +2,7 @@
 
 Reference: Li, Xu, Li, Liu, et al. 2026, "The Optimal Token Baseline: Variance Reduction for
 Long-Horizon LLM-RL" (arXiv:2602.07078); reference implementation in verl
-(`compute_optimal_token_baseline_advantage`, docs/algo/otb.md).
+(`compute_optimal_token_baseline_advantage` and its OTB page).
 
 Definition used here (exactly that of the reference implementation, aligned by generated-token
 index so that multi-turn trajectories with interleaved tool tokens line up):

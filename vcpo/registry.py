@@ -4,7 +4,7 @@
     lr_rule = make_lr_scale_rule("ess", rule="sqrt", base_ess_ratio=0.55)
 
 An unknown name or parameter raises ValueError listing the valid ones. The tables are built when
-called (no module-level registry is filled at import). Ablations of VCPO.md:
+called (no module-level registry is filled at import). Ablations of docs/algorithm.md:
 
     VCPO            = make_objective("vcpo")    + make_lr_scale_rule("ess")
     "ESS lr only"   = make_objective("seq_tis") + make_lr_scale_rule("ess")

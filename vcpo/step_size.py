@@ -32,14 +32,14 @@ def ess_lr_scale_sqrt(ess_ratio_value: Tensor | float, base_ess_ratio: float = 1
     ess_ratio_value: ρ = ESS/B of the minibatch. base_ess_ratio: ρ0 (1.0 math, 0.55 multi-turn).
     """
     rho = torch.as_tensor(ess_ratio_value, dtype=torch.float32)
-    # VCPO.md: s(ρ) = sqrt(min(1, ρ / ρ_0))    (rule "sqrt")
+    # docs/algorithm.md: s(ρ) = sqrt(min(1, ρ / ρ_0))    (rule "sqrt")
     return (rho / base_ess_ratio).clamp(max=1.0).sqrt()
 
 
 def ess_lr_scale_linear(ess_ratio_value: Tensor | float, base_ess_ratio: float = 1.0) -> Tensor:
     """s(ρ) = min(1, ρ/ρ0) → 0-d tensor. Arguments as in `ess_lr_scale_sqrt`."""
     rho = torch.as_tensor(ess_ratio_value, dtype=torch.float32)
-    # VCPO.md: s(ρ) = min(1, ρ / ρ_0)    (rule "linear")
+    # docs/algorithm.md: s(ρ) = min(1, ρ / ρ_0)    (rule "linear")
     return (rho / base_ess_ratio).clamp(max=1.0)
 
 
@@ -50,7 +50,7 @@ def staleness_lr_scale(mean_lag: Tensor | float, s0: float = 4.0) -> Tensor:
     The per-step bias of stale SGD grows like O(S·η), so η ∝ 1/S keeps it bounded.
     """
     lag = torch.as_tensor(mean_lag, dtype=torch.float32)
-    # VCPO.md: η = η_0 / (1 + S / S_0)
+    # docs/algorithm.md: η = η_0 / (1 + S / S_0)
     return 1.0 / (1.0 + lag / s0)
 
 
@@ -75,7 +75,7 @@ class LrScale(NamedTuple):
 
 
 ESS_LR_RULES = {"sqrt": ess_lr_scale_sqrt, "linear": ess_lr_scale_linear}
-"""The ESS step-size rules by name (VCPO.md: "sqrt" is the default)."""
+"""The ESS step-size rules by name (docs/algorithm.md: "sqrt" is the default)."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The torch learner: one optimizer step per minibatch of trajectory groups (CPU or one GPU).
 
-A step (VCPO.md):
+A step (docs/algorithm.md):
 1. pack the trajectories (no padding) into token-budget micro-batches of whole groups;
 2. proximal forward (no grad): `log π_old` of every sampled token — θ at the start of the step;
 3. gradient: VCPO accumulates `−Σ (a_i − b*_g s_i) ∇ℓ_i` with exact per-trajectory norms
@@ -146,7 +146,7 @@ class TorchLearner:
     def _fused_adamw(self) -> bool | None:
         """AdamW's one-kernel-per-tensor implementation where torch has it (CPU, CUDA): on CPU the default
         per-parameter loop took 0.35 s of a default-run step and the fused one 0.17 s (docs/results.md,
-        issue #19); the same update up to fp32 rounding (~1 ulp). None elsewhere (torch's default)."""
+        docs/results.md); the same update up to fp32 rounding (~1 ulp). None elsewhere (torch's default)."""
         return True if self.device.type in ("cpu", "cuda") else None
 
     def _check_supported(self) -> None:
@@ -334,7 +334,7 @@ class TorchLearner:
         IS weights — the trajectories the objective does not keep (`advantage_divisor`: in the spec form the
         degenerate groups' members and those without trained tokens; in the reference form only the latter),
         grouped so a group is silent only when all its members are. They are packed apart and left out of the
-        gradient pass (issue #19: 69–86% of the default run's groups are degenerate); the proximal pass still
+        gradient pass (69–86% of the default run's groups are: docs/results.md); the proximal pass still
         forwards them (their IS weights enter the ESS, the step size and the metrics), and with
         `learner.proximal: reuse` that no-grad forward gives their log π_old."""
         # trained targets: positions 1.. of the loss mask (packing.build_microbatch), as `trained_counts`

@@ -13,7 +13,7 @@ and times, interleaved round-robin after a warm-up, three complete optimizer ste
 * `vcpo_per_trajectory`: the same with one backward per trajectory (the reference path).
 
 The proximal (old) log-probs come from one no-grad forward that every async objective needs anyway
-(the staleness/IS metrics of VCPO.md compare π_old with μ for all of them); it is timed once and
+(the staleness/IS metrics of docs/algorithm.md compare π_old with μ for all of them); it is timed once and
 reported separately, not added to either step, so the ratio is the conservative one.
 Attention: the packing-aware per-trajectory sdpa kernel (`learner.forward.varlen_attention`) so no N×N
 mask is built. It measures; the tests check the results.

@@ -1,5 +1,5 @@
 """A step's time depends on its data: a VCPO step whose groups are all degenerate (every episode scored the
-same) skips the gradient pass and takes a fraction of one with informative groups (issue #19). Two runs
+same) skips the gradient pass and takes a fraction of one with informative groups. Two runs
 (two commits, two lag bounds) draw different mixes of such steps, so their mean steps are compared on a
 common mix: each run's mean per kind of step (its count of degenerate groups), averaged over one mix."""
 

@@ -1,6 +1,6 @@
 """`launcher: ray` — the same training loop with rollout workers, learner ranks and sandboxes as Ray actors.
 
-Layout (ARCHITECTURE.md's processes, spread over a cluster):
+Layout (docs/architecture.md's processes, spread over a cluster):
 
 * The driver (the `vcpo train` process) runs `learner.train.trainer.train` unchanged: the rollout manager
   (lag bound, admission, retries, checkpoint state) and the step loop stay here, so every guarantee

@@ -1,4 +1,4 @@
-"""Every key the trainer logs per training step, in one place (STYLE.md §9, VCPO.md "Metrics every
+"""Every key the trainer logs per training step, in one place (docs/algorithm.md "Metrics every
 training step must log").
 
 The staleness / importance-sampling / baseline / reward keys are computed in `vcpo.metrics` and
@@ -169,7 +169,7 @@ REQUIRED_EVERY_STEP = (
     TIME_IDLE_LEARNER,
     TIME_IDLE_ROLLOUT,
 )
-"""The keys VCPO.md requires in every training step's record."""
+"""The keys docs/algorithm.md requires in every training step's record."""
 
 OPTIONAL = (
     TIME_STEP,

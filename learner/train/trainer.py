@@ -1,13 +1,13 @@
 """`vcpo train`: the loop that joins rollout stream → learner → weight sync, in one process.
 
-Local mode (ARCHITECTURE.md): the engine and the agent loops run on this asyncio loop (the engine's
+Local mode (docs/architecture.md): the engine and the agent loops run on this asyncio loop (the engine's
 forward passes on its own thread), the learner step runs on a worker thread, and weights are
 copied in memory into the engine (in place for vLLM) with the new policy version. The rollout
 manager admits groups under the lag bound `k`, so generation for step `v + 1 … v + k` overlaps the
 learner's step `v`.
 
 Per step: wait for the batch slot (idle_learner), apply the task's loss filters, train (train),
-push weights (weight_sync), log every VCPO.md metric to metrics.jsonl/TensorBoard, show progress,
+push weights (weight_sync), log every docs/algorithm.md metric to metrics.jsonl/TensorBoard, show progress,
 and every `checkpoint_every` steps write an atomic checkpoint (model, optimizer, step, RNG, data
 position, unconsumed groups and slots in flight). A resumed run restarts from the newest complete
 checkpoint with the same lag bound, and no group is lost or used twice (rollout/manager.py).

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 BENCH_BACKENDS = ("hf", "vllm")
 """Engines that run in-process (servers need a launcher and a GPU)."""
 TARGET_SPEEDUP = 2.5
-"""Issue #4: the default engine must be ≥ 2.5x HF generate on the CPU machine."""
+"""Target: the default engine must be ≥ 2.5x HF generate on the CPU machine."""
 BASELINE = "hf_generate"
 START_TIMEOUT_S = 1200.0
 """A worker's start-up, first vLLM compile included (~70 s here)."""

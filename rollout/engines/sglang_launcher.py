@@ -8,7 +8,7 @@ a server that never becomes healthy as EngineTimeout. The environment drops
 SGLANG_RETURN_ORIGINAL_LOGPROB so logprobs stay those of the tempered distribution (what the
 learner recomputes).
 
-Not here: installing SGLang (GPU machines only, see STACK.md), multi-node launches.
+Not here: installing SGLang (GPU machines only: pip install 'vcpo[sglang]'), multi-node launches.
 """
 
 from __future__ import annotations

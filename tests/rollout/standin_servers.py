@@ -2,7 +2,7 @@
 
 SGLang cannot run on this CPU machine, and no OpenAI-compatible server is reachable, so the HTTP
 adapters are tested against small local servers that implement exactly the request/response
-shapes documented in STACK.md ("SGLang") and the OpenAI /v1/completions API, on 127.0.0.1 only.
+shapes of SGLang's documented native API and the OpenAI /v1/completions API, on 127.0.0.1 only.
 They are backed by our HF engine on a real (tiny) model, so token ids and logprobs are real.
 What they prove: the adapters speak those shapes, map errors, and drive the control flow. What
 they cannot prove: that real SGLang/vLLM answer the same way — the GPU/slow-marked tests do that.
@@ -59,7 +59,7 @@ async def serve(app: FastAPI) -> AsyncIterator[str]:
 
 
 class SGLangStandin:
-    """STAND-IN for SGLang's HTTP API (STACK.md shapes), backed by an HFEngine. Records every request."""
+    """STAND-IN for SGLang's HTTP API (documented shapes), backed by an HFEngine; records every request."""
 
     def __init__(self, engine: HFEngine, decode: Callable[[list[int]], str]) -> None:
         self.engine = engine

@@ -46,8 +46,9 @@ def test_kl_k3_estimates_kl_from_mu_to_pi_under_samples_from_mu():
     kl_mu_pi = sum((1 / 3) * math.log((1 / 3) / p) for p in pi.tolist())
     torch.testing.assert_close(estimate, tensor(kl_mu_pi))
     torch.testing.assert_close(estimate, tensor(0.324287))
-    # VCPO.md's e^{−ℓ} + ℓ − 1 averaged under μ: mean(μ/π) − 0.324287 − 1 = 1.825397 − 1.324287 = 0.501110,
-    # not KL(μ‖π) (it is K3 for KL(π‖μ) when the samples come from π)
+    # docs/algorithm.md's e^{−ℓ} + ℓ − 1 averaged under μ:
+    # mean(μ/π) − 0.324287 − 1 = 1.825397 − 1.324287 = 0.501110, not KL(μ‖π)
+    # (it is K3 for KL(π‖μ) when the samples come from π)
     ell = old_logprobs - behavior_logprobs
     torch.testing.assert_close((ell.neg().exp() + ell - 1).mean(), tensor(0.501110))
 

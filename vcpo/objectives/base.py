@@ -384,7 +384,7 @@ class ObjectiveBase:
 
     @property
     def ess_clip_cap(self) -> float:
-        """C used for is/ess_ratio_clipped (VCPO.md default 8; objectives with an is_cap use theirs)."""
+        """C used for is/ess_ratio_clipped (8, docs/algorithm.md; an objective's own is_cap if it has one)."""
         return 8.0
 
     def aggregate(self, token_losses: Tensor, loss_mask: Tensor, context: BatchContext) -> Tensor:

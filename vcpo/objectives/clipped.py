@@ -130,7 +130,7 @@ class DrGRPO(PpoClipOptions, ObjectiveBase):
 class TokenTIS(PpoClipOptions, ObjectiveBase):
     """Token TIS: GRPO advantages, PPO-clip on π_θ/π_old, × min(π_old/μ, C_tok) per token (detached).
 
-    token_is_cap: C_tok (VCPO.md default 2). Reference: Yao et al. 2025, "Your Efficient RL
+    token_is_cap: C_tok (docs/algorithm.md default 2). Reference: Yao et al. 2025, "Your Efficient RL
     Framework Secretly Brings You Off-Policy RL Training".
     """
 

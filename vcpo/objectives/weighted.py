@@ -9,7 +9,7 @@
 | otb       | w̄_i (R_i − B*_{g,k}) per token, B* the OTB        | w̄_i = min(π_old(τ)/μ(τ), C) or none |
 
 The gradient is c ∇log π_θ; with the default aggregation seq-mean-token-mean the loss is
-−(1/B) Σ_i c_i ℓ_i with ℓ_i the mean log π_θ over M_i, VCPO.md's ĝ. There is no ratio to π_old:
+−(1/B) Σ_i c_i ℓ_i with ℓ_i the mean log π_θ over M_i, docs/algorithm.md's ĝ. There is no ratio to π_old:
 these objectives take one optimizer step per minibatch (the asynchronous setting), where
 π_θ = π_old at the forward pass, so the whole behaviour correction is the sequence weight π_old/μ.
 seq_tis and vcpo differ only in the baseline, which makes the ablations exact:
@@ -69,7 +69,7 @@ def _truncated_weights(objective: ObjectiveBase, batch: PreparedBatch, cap: floa
 
 @dataclass(frozen=True)
 class SequenceTisOptions:
-    """The sequence-level truncated IS weight w̄_i = min(w_i, is_cap) (VCPO.md: C = 8).
+    """The sequence-level truncated IS weight w̄_i = min(w_i, is_cap) (docs/algorithm.md: C = 8).
 
     is_cap also sets C of the is/ess_ratio_clipped metric.
     """
@@ -121,7 +121,7 @@ class RLOO(ObjectiveBase):
 class SeqTIS(SequenceTisOptions, ObjectiveBase):
     """Sequence TIS: −w̄_i (R_i − mean_g)/(σ_g + ε) · ℓ_i with w̄_i = min(w_i, C), w_i = π_old(τ_i)/μ(τ_i).
 
-    is_cap: C (VCPO.md default 8). This is VCPO's estimator with the group-mean baseline.
+    is_cap: C (docs/algorithm.md default 8). This is VCPO's estimator with the group-mean baseline.
     """
 
     name: ClassVar[str] = "seq_tis"
@@ -147,7 +147,7 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
     """VCPO's policy gradient: −(1/B) Σ_i w̄_i (R_i − b*_g)/σ_g · ℓ_i with the OPOB b* (opob.py).
 
     Needs `seq_sq_grad_norms` = ‖∇ℓ_i‖² of the same aggregated ℓ_i this loss uses, unweighted.
-    form: "spec" (VCPO.md: ω_i = w_i² ‖∇ℓ_i‖², σ_g with Bessel + ε, degenerate groups exactly 0) or
+    form: "spec" (docs/algorithm.md: ω_i = w_i² ‖∇ℓ_i‖², σ_g with Bessel + ε, degenerate groups exactly 0) or
     "reference" (the authors' code: ω_i = w̄_i² w_i² ‖∇Σ_t log π‖², b = Σ ωR / (Σ ω + 1e-8), σ_g the
     population std without ε, applied only where σ_g > 1e-8; opob.py's reference section).
     is_cap: C of w̄ in the gradient. scope: "group" (b* per prompt) or "minibatch" (spec only).
@@ -246,7 +246,7 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
 
         Exact reward equality decides (`degenerate_groups`), never σ_g > 0: σ_g of eight rewards of 0.1 is
         8e-9 in float32, not 0, and (R − b*)/(σ_g + ε) of that rounding was ~0.007 — a gradient of rounding
-        noise from every all-0.1 group (the default run's format reward; issue #19)."""
+        noise from every all-0.1 group (the default run's format reward)."""
         scope = groups
         if not self.divide_by_std and self.scope != "group":
             scope = single_group(rewards.numel(), rewards.device)

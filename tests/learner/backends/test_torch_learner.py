@@ -435,7 +435,7 @@ def test_lr_schedule_warms_up_then_decays() -> None:
 
 
 def test_the_fused_adamw_takes_torchs_default_step_and_stays_fused_after_a_resume() -> None:
-    """The learner's AdamW is the fused one on CPU (issue #19: half the optimizer phase); its update is the
+    """The learner's AdamW is the fused one on CPU (half the optimizer phase); its update is the
     per-parameter loop's up to fp32 rounding, and a checkpoint written by a non-fused optimizer (runs
     before the change) resumes into the fused one with the same state."""
     tokens = random_trajectories(num_groups=2, per_group=3, seed=5)

