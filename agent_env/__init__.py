@@ -1,4 +1,8 @@
-"""Tasks from YAML, datasets, rewards, the multi-turn SimpleTIR agent loop and evaluation."""
+"""Tasks from YAML, datasets, rewards, the multi-turn SimpleTIR agent loop and evaluation.
+
+May import: `vcpo`, `rollout`, `tools`, `configs` (the task schema: a task component takes its own
+validated section).
+"""
 
 from agent_env.datasets import DatasetError, DatasetLoad, load_samples
 from agent_env.eval_metrics import majority_is_correct, pass_at_k, summarize

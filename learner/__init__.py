@@ -11,7 +11,8 @@ objects), in subpackages by concern, each importing only those listed before it:
 * `benchmarks/` — `vcpo bench async | learner | opob | staleness`
 * `cli/` — the `vcpo` command
 
-tests/test_architecture.py enforces the direction.
+May import: `vcpo`, `rollout`, `tools`, `agent_env`, `configs`. tests/test_architecture.py enforces
+the direction, reading each package's own list.
 """
 
 import importlib

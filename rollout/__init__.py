@@ -1,5 +1,7 @@
 """Inference engines behind one protocol and the Trajectory contract. Also the default-model loader
-(shared by engines and learners, so it lives at the lowest layer that both may import)."""
+(shared by engines and learners, so it lives at the lowest layer that both may import).
+
+May import: `vcpo`."""
 
 from rollout.base import InferenceEngine
 from rollout.engines.factory import build_engine, choose_backend, start_engine, vllm_unavailable_reason

@@ -1,16 +1,17 @@
 """The architecture's layering, checked on the source: imports only point downwards.
 
-docs/architecture.md: `vcpo/` imports nothing of the project (and only torch outside the stdlib);
-`tools/` and `rollout/` import only `vcpo/` at most; `agent_env/` may import `rollout/` and
-`tools/`, and the task schema in `configs/` (pydantic-only, the bottom layer: a task component
-takes its own validated section); `learner/` (and the CLI in it) may import
-all; `configs/` imports only itself (pydantic, yaml). Imports inside `if TYPE_CHECKING:` blocks
-count too: the rule is about design, not runtime.
+The rules are written once, in the packages themselves: each layer's and each subpackage's
+`__init__.py` docstring has a "May import:" paragraph naming (in backticks) what it may import, and a
+layer whose top modules import one of its subpackages says so in an "Its top modules may import:"
+paragraph. This test parses those paragraphs and checks the code against them, so a docstring that
+stops saying the truth fails here. docs/architecture.md draws the same layers. Imports inside
+`if TYPE_CHECKING:` blocks count too: the rule is about design, not runtime.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -18,14 +19,77 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = {"vcpo", "tools", "rollout", "agent_env", "learner", "configs"}
-ALLOWED = {
-    "vcpo": set(),
-    "configs": set(),
-    "tools": {"vcpo"},
-    "rollout": {"vcpo"},
-    "agent_env": {"vcpo", "rollout", "tools", "configs"},
-    "learner": {"vcpo", "rollout", "tools", "agent_env", "configs"},
-}
+_NAME = re.compile(r"`([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)`")
+
+
+def _docstring(package_dir: Path) -> str:
+    return ast.get_docstring(ast.parse((package_dir / "__init__.py").read_text())) or ""
+
+
+def declared(package_dir: Path, marker: str = "May import:") -> set[str] | None:
+    """The backticked module names of the docstring's `marker` paragraph; None without one."""
+    doc = _docstring(package_dir)
+    at = doc.find(marker)
+    if at < 0:
+        return None
+    return set(_NAME.findall(doc[at + len(marker):].split("\n\n")[0]))
+
+
+def _subpackages(layer: str) -> list[str]:
+    """Dotted names, relative to the layer, of its folders that are Python packages."""
+    return sorted(".".join(p.parent.relative_to(ROOT / layer).parts)
+                  for p in (ROOT / layer).rglob("__init__.py") if p.parent != ROOT / layer)
+
+
+def _unit_rules(layer: str) -> dict[str, set[str]]:
+    """Unit (subpackage, or '.' for the layer's top modules) → the units of the same layer it may import."""
+    def to_unit(name: str) -> str | None:
+        if name == layer:
+            return "."
+        return name[len(layer) + 1:] if name.startswith(layer + ".") else None
+
+    rules: dict[str, set[str]] = {}
+    top = declared(ROOT / layer, "Its top modules may import:") or set()
+    if any(p.name != "__init__.py" for p in (ROOT / layer).glob("*.py")):
+        rules["."] = {u for name in top if (u := to_unit(name)) is not None}
+    for unit in _subpackages(layer):
+        names = declared(ROOT / layer / unit.replace(".", "/"))
+        rules[unit] = set() if names is None else {u for name in names if (u := to_unit(name)) is not None}
+    return rules
+
+
+ALLOWED = {layer: (declared(ROOT / layer) or set()) & PROJECT for layer in sorted(PROJECT)}
+UNITS = {layer: rules for layer in sorted(PROJECT) if len(rules := _unit_rules(layer)) > 1}
+
+
+def test_every_package_says_what_it_may_import_and_names_real_modules() -> None:
+    packages = [ROOT / layer for layer in PROJECT]
+    packages += [ROOT / layer / unit.replace(".", "/") for layer in PROJECT for unit in _subpackages(layer)]
+    for package in packages:
+        names = declared(package)
+        where = package.relative_to(ROOT)
+        assert names is not None, f"{where}/__init__.py: say what it may import in a 'May import:' paragraph"
+        for name in names | (declared(package, "Its top modules may import:") or set()):
+            path = ROOT / name.replace(".", "/")
+            assert path.is_dir() or path.with_suffix(".py").is_file(), f"{where}: `{name}` is no module"
+
+
+def test_a_subpackage_names_only_what_its_layer_may_import() -> None:
+    for layer in PROJECT:
+        for unit in _subpackages(layer):
+            names = declared(ROOT / layer / unit.replace(".", "/")) or set()
+            outside = {name.split(".")[0] for name in names}
+            assert outside - {layer} <= ALLOWED[layer], f"{layer}/{unit}: beyond {layer}'s own list"
+
+
+def test_the_rules_read_from_the_docstrings_are_the_layering() -> None:
+    """The layers as docs/architecture.md draws them; a docstring edit that changes them shows here."""
+    layering = {"vcpo": set(), "configs": set(), "tools": {"vcpo"}, "rollout": {"vcpo"},
+                "agent_env": {"vcpo", "rollout", "tools", "configs"},
+                "learner": {"vcpo", "rollout", "tools", "agent_env", "configs"}}
+    assert layering == ALLOWED
+    assert UNITS["learner"]["forward"] == set() and UNITS["learner"]["traj_grads"] == {"forward"}
+    assert set(UNITS) == {"learner", "rollout", "tools", "vcpo"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -59,29 +123,10 @@ def test_vcpo_imports_only_torch_and_the_stdlib() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Inside a layer: subpackages by concern, imports in one direction (each subpackage's __init__.py
-# says what it owns and what it may import). A "unit" is a subpackage, or "." for the modules
+# Inside a layer: subpackages by concern, imports in one direction (UNITS, read from each
+# subpackage's "May import:" paragraph above). A "unit" is a subpackage, or "." for the modules
 # directly in the layer's folder. A package's own __init__.py is its public facade and may re-export
 # from anything below it; every other module keeps to its unit's list.
-
-_LEARNER_BELOW_LAUNCH = {"train", "backends", "backends.megatron", "traj_grads", "forward", "distributed",
-                         "observability"}
-UNITS = {
-    "learner": {
-        "observability": set(),
-        "forward": set(),
-        "distributed": set(),
-        "traj_grads": {"forward"},
-        "backends": {"forward", "traj_grads", "distributed"},
-        "backends.megatron": {"backends", "forward", "traj_grads", "distributed"},
-        "train": {"backends", "backends.megatron", "traj_grads", "forward", "distributed", "observability"},
-        "launch": _LEARNER_BELOW_LAUNCH,
-        "benchmarks": _LEARNER_BELOW_LAUNCH | {"launch"},
-        "cli": _LEARNER_BELOW_LAUNCH | {"launch", "benchmarks"},
-    },
-    "rollout": {".": set(), "engines": {"."}, "bench": {".", "engines"}},
-    "tools": {".": set(), "sandbox": {"."}, "sandbox_fusion": {".", "sandbox"}},
-}
 
 
 def _project_imports(path: Path) -> set[str]:
@@ -129,16 +174,6 @@ def test_subpackages_import_in_one_direction(layer: str) -> None:
         if bad:
             violations[str(path.relative_to(ROOT))] = bad
     assert not violations, f"imports against the direction between {layer}'s subpackages"
-
-
-def test_every_subpackage_says_what_it_owns_and_may_import() -> None:
-    for layer, units in UNITS.items():
-        for unit in units:
-            if unit == ".":
-                continue
-            init = ROOT / layer / unit.replace(".", "/") / "__init__.py"
-            doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-            assert "May import" in doc, f"{init.relative_to(ROOT)}: say what it owns and what it may import"
 
 
 def test_no_folder_holds_more_than_15_modules() -> None:

@@ -1,5 +1,7 @@
 """Tool plug-ins behind one async protocol: the local bubblewrap Python sandbox, a
-SandboxFusion-compatible HTTP client and server, and E2B. Imports nothing of the project but vcpo.
+SandboxFusion-compatible HTTP client and server, and E2B.
+
+May import: `vcpo`.
 
 Importing this package starts nothing and imports no optional dependency (fastapi, uvicorn,
 e2b are imported when the server or the E2B tool is used).

@@ -1,6 +1,10 @@
 """The algorithm: pure functions on tensors (IS weights, ESS, step-size rules, OPOB, advantages,
 policy objectives, loss aggregation, staleness/IS metrics). Imports torch only: no I/O, no models,
-no processes, no config objects. docs/algorithm.md is the math this implements."""
+no processes, no config objects. docs/algorithm.md is the math this implements.
+
+May import: nothing of the project (torch and the standard library only).
+
+Its top modules may import: `vcpo.objectives` (the registry builds objectives by name)."""
 
 from vcpo.advantages import dr_grpo_advantages, grpo_advantages, reinforce_advantages, rloo_advantages
 from vcpo.aggregation import (

@@ -2,8 +2,10 @@
 catalogue of shipped YAML files (`config_catalog`) and `vcpo eval` (`eval_command`); `console` is the
 installed script, which first picks the memory allocator (`learner.launch.allocator`).
 
-May import: everything in `learner` (it is the composition root's top); subcommands import lazily so
-`vcpo --help` stays instant.
+May import: `learner.launch`, `learner.benchmarks`, `learner.train`, `learner.backends`,
+`learner.backends.megatron`, `learner.traj_grads`, `learner.forward`, `learner.distributed`,
+`learner.observability` (it is the composition root's top); subcommands import lazily so the command's
+help stays instant.
 """
 
 from learner.cli.main import main

@@ -2,5 +2,5 @@
 per rank, summed gradients, norms and proximal log-probs) and weight transport to rollout workers
 (`weight_transport`: the object store or a bucketed broadcast).
 
-May import: nothing of `learner`.
+May import: nothing of the learner layer.
 """

@@ -2,5 +2,5 @@
 packed trajectory (`varlen_attention`), and target log-probs of packed rows (`logprobs`). Every
 backend, gradient path and benchmark builds on these.
 
-May import: nothing of `learner`.
+May import: nothing of the learner layer.
 """

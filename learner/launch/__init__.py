@@ -2,5 +2,6 @@
 Ray driver (`ray_launcher`) and its actors (`ray_actors`: rollout workers, learner ranks, sandboxes), and
 the process's memory allocator (`allocator`: tcmalloc for the heavy commands).
 
-May import: `learner.train` and everything below it.
+May import: `learner.train`, `learner.backends`, `learner.backends.megatron`, `learner.traj_grads`,
+`learner.forward`, `learner.distributed`, `learner.observability`.
 """

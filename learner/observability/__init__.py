@@ -2,5 +2,5 @@
 writer and reader (`metrics_log`), the live progress line (`progress`), `vcpo plot` (`plot`) and
 `vcpo trend` (`trend`).
 
-May import: nothing of `learner` (it is the bottom of the learner layer); `vcpo` for metric keys.
+May import: `vcpo` (for metric keys); nothing of the learner layer (it is its bottom).
 """

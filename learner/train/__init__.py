@@ -2,6 +2,6 @@
 learner (`build`), the step loop with metrics and checkpoints (`trainer`), atomic checkpoints
 (`checkpointing`) and the cold-start SFT (`warm_start`).
 
-May import: `learner.backends`, `learner.traj_grads`, `learner.forward`, `learner.distributed`,
-`learner.observability`.
+May import: `learner.backends`, `learner.backends.megatron`, `learner.traj_grads`, `learner.forward`,
+`learner.distributed`, `learner.observability`.
 """

@@ -3,6 +3,5 @@
 (`sglang_engine`, `sglang_launcher`), any OpenAI-compatible server (`openai_engine` over
 `http_client`), the backend `factory`, and the weight-push helpers (`checkpoint`, `weight_group`).
 
-May import: the top of `rollout` (protocol, types, errors, settings, models, progress) — never the
-rollout manager or `rollout.bench`.
+May import: `rollout` (its top modules: the protocol, types, errors, settings, models, progress).
 """

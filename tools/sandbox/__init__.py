@@ -3,5 +3,5 @@ isolation (`_bwrap`, `_seccomp`), the process that runs inside it (`_sandbox_run
 talking to it (`_launcher`, `_sandbox_process`, `_outcome`), a warm pool (`_warm_pool`), and
 `vcpo bench sandbox` (`bench`). Underscored modules are internals.
 
-May import: the top of `tools` (`base`, `settings`, `_output`).
+May import: `tools` (its top modules: base, settings, _output).
 """

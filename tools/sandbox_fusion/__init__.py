@@ -2,5 +2,5 @@
 the wire schema (`schema`), and a compatible server backed by the local sandbox (`server`,
 `vcpo sandbox serve`).
 
-May import: the top of `tools` and `tools.sandbox` (the server runs the local sandbox).
+May import: `tools` (its top modules), `tools.sandbox` (the server runs the local sandbox).
 """

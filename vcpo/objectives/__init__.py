@@ -1,6 +1,8 @@
 """Policy objectives behind one interface (`Objective`): VCPO and every comparison objective.
 
 Build them by name with `vcpo.registry.make_objective`.
+
+May import: `vcpo` (its top modules: the math the objectives compose).
 """
 
 from vcpo.objectives.base import (
