@@ -96,16 +96,15 @@ def _pytest_summary(work: Path, rehearse: bool) -> dict[str, Any]:
     outcomes: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
     for case in ElementTree.parse(junit).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
-            node = case.find("failure") if case.find("failure") is not None else case.find("error")
-            outcomes["failed"].append(f"{name}: {(node.get('message') or '')[:300]}")
+        failure = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if failure is not None:
+            outcomes["failed"].append(f"{name}: {(failure.get('message') or '')[:300]}")
         elif case.find("skipped") is not None:
             outcomes["skipped"].append(f"{name}: {(case.find('skipped').get('message') or '')[:200]}")
         else:
             outcomes["passed"].append(name)
-    return {key: value for key, value in outcomes.items()} | {
-        f"n_{key}": len(value) for key, value in outcomes.items()} | {
-        "not_run": [f"{name}: {NOT_CARRIED}" for name in NOT_CARRIED_TESTS]}
+    return {**outcomes, **{f"n_{key}": len(value) for key, value in outcomes.items()},
+            "not_run": [f"{name}: {NOT_CARRIED}" for name in NOT_CARRIED_TESTS]}
 
 
 def _learner_summary(work: Path, rehearse: bool, name: str) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from learner.benchmarks.kernel_floor import best_seconds, kernel_floor
 from learner.benchmarks.workload import BenchBatch, BenchShape
 from learner.forward.fused_layers import resolve as resolve_fused_elementwise
 from learner.forward.logprobs import native_bf16
+from learner.train.build import learner_device
 from rollout.trajectory import Trajectory, TrajectoryVersions
 
 
@@ -249,7 +250,7 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
 def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
     """`vcpo bench learner`: every configured backend on the same model and batch; a backend that cannot
     run here keeps its row with the reason; `vs_torch` = tokens/s relative to the torch learner."""
-    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = learner_device(config.device)
     shape = BenchShape(kind=config.kind, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
                        num_attention_heads=config.num_attention_heads,

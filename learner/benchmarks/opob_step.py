@@ -37,6 +37,7 @@ from learner.benchmarks.host import host_description
 from learner.forward.logprobs import packed_target_logprobs
 from learner.forward.packing import PackedMicroBatch, TargetPadding, TrajectoryTokens, pack_trajectories
 from learner.forward.varlen_attention import register_varlen_sdpa
+from learner.train.build import learner_device
 from learner.traj_grads.opob_grad import accumulate_opob_grad_packed, accumulate_opob_grad_per_trajectory
 from vcpo.groups import group_std, index_groups
 from vcpo.is_weights import ess_ratio, sequence_is_weights, truncated_is_weights
@@ -169,8 +170,7 @@ def _median_times(runs: dict[str, Callable[[], None]], repeats: int, warmup: int
 def run_opob_bench(config: OpobBenchConfig, cache_dir: Path,
                    progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Measure every configured length; returns the JSON-able table with ratios and targets."""
-    device = torch.device(config.device if config.device != "auto"
-                          else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(learner_device(config.device))
     model = build_bench_model(config.model, cache_dir, config.seed).to(device, getattr(torch, config.dtype))
     vocab = model.config.vocab_size
     params = sum(p.numel() for p in model.parameters())
