@@ -52,8 +52,8 @@ from typing import Any
 
 from configs.loader import load_config
 from configs.schema import AsyncBenchConfig, RunConfig
-from learner.benchmarks.host import host_description
 from learner.benchmarks.step_mix import mean_by_kind, mix_adjusted_mean
+from learner.launch.host import host_description
 from learner.launch.run import run_training
 from learner.observability.metrics_log import read_metrics
 from learner.train.compose import engine_settings, load_task

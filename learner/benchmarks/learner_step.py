@@ -45,11 +45,11 @@ import torch
 
 from configs.schema import AlgoConfig, LearnerBenchConfig, MegatronConfig, OptimConfig
 from learner.backends.torch_learner import StepInput, TorchLearner
-from learner.benchmarks.host import host_description
 from learner.benchmarks.kernel_floor import best_seconds, kernel_floor
 from learner.benchmarks.workload import BenchBatch, BenchShape
 from learner.forward.fused_layers import resolve as resolve_fused_elementwise
 from learner.forward.logprobs import native_bf16
+from learner.launch.host import host_description
 from learner.train.build import learner_device
 from rollout.trajectory import Trajectory, TrajectoryVersions
 

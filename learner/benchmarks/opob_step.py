@@ -33,10 +33,10 @@ import torch
 from torch import Tensor, nn
 
 from configs.schema import OpobBenchConfig
-from learner.benchmarks.host import host_description
 from learner.forward.logprobs import packed_target_logprobs
 from learner.forward.packing import PackedMicroBatch, TargetPadding, TrajectoryTokens, pack_trajectories
 from learner.forward.varlen_attention import register_varlen_sdpa
+from learner.launch.host import host_description
 from learner.train.build import learner_device
 from learner.traj_grads.opob_grad import accumulate_opob_grad_packed, accumulate_opob_grad_per_trajectory
 from vcpo.groups import group_std, index_groups

@@ -50,7 +50,7 @@ from typing import Any
 
 from configs.schema import RunConfig, StalenessBenchConfig, StalenessMethodConfig
 from learner.benchmarks import staleness_tasks
-from learner.benchmarks.host import host_description
+from learner.launch.host import host_description
 from learner.observability import metric_names as names
 from vcpo import metrics as vcpo_metrics
 

@@ -7,13 +7,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agent_env.heldout import HeldoutResult
 from configs.loader import ConfigError
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
@@ -34,6 +37,7 @@ async def run_training(
     if conflicts:
         raise ConfigError(f"(resuming {run_dir})", conflicts)
     phases: dict[str, float] = {}
+    run_started = time.perf_counter()
     report = (lambda line: print(line, file=terminal(), flush=True)) if progress else log.info
     if config.warm_start.enabled:  # cold-start SFT first (cached); RL then starts from that model
         started = time.perf_counter()
@@ -47,14 +51,43 @@ async def run_training(
 
         summary = await run_training_ray(config, task, task_path, settings, cache_dir, run_dir,
                                          progress=progress, stop_after_step=stop_after_step)
-        summary.phases = {**phases, **summary.phases}
-        return summary
-    from learner.train.build import run_local
+    else:
+        from learner.train.build import run_local
 
-    summary = await run_local(config, task, task_path, settings, cache_dir, run_dir, progress=progress,
-                              stop_after_step=stop_after_step)
+        summary = await run_local(config, task, task_path, settings, cache_dir, run_dir, progress=progress,
+                                  stop_after_step=stop_after_step)
     summary.phases = {**phases, **summary.phases}
+    write_run_summary(run_dir, summary, time.perf_counter() - run_started)
     return summary
+
+
+SUMMARY_FILE = "summary.json"
+
+
+def write_run_summary(run_dir: Path, summary: TrainSummary, wall_s: float) -> Path:
+    """`run_dir/summary.json` (written atomically): what this process did — steps, wall seconds in all and by
+    phase, the host, every held-out evaluation with its interval and the start → end change. A resumed run
+    rewrites it with its own process's figures (earlier evaluations stay in metrics.jsonl)."""
+    from learner.launch.host import host_description
+
+    def evaluation(result: HeldoutResult) -> dict[str, Any]:
+        return {"step": result.version, "success": result.success, "low": result.low, "high": result.high,
+                "prompts": len(result.per_prompt), "seconds": result.seconds}
+
+    change = summary.heldout_change
+    record = {
+        "steps_this_process": summary.steps, "wall_s": wall_s, "phases_s": summary.phases,
+        "host": host_description(),
+        "heldout": [evaluation(result) for result in summary.heldout],
+        "heldout_change": None if change is None else {
+            "start_step": change.start.version, "end_step": change.end.version, "gain": change.gain,
+            "low": change.low, "high": change.high},
+    }
+    path = run_dir / SUMMARY_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 async def _warm_start_in_thread(config: RunConfig, task: TaskConfig, task_path: Path, cache_dir: Path,

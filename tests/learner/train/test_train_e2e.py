@@ -259,6 +259,13 @@ def test_held_out_prompts_are_evaluated_logged_and_resumed(tmp_path: Path, tiny_
         assert len(lines) == 1 + 6 * 2  # meta + 6 prompts × k = 2
     assert "held-out success" in resumed.stdout and "(step 0) →" in resumed.stdout, resumed.stdout
     assert "(step 3)" in resumed.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())  # the resumed process's own record
+    assert summary["steps_this_process"] == 1 and [e["step"] for e in summary["heldout"]] == [3]
+    assert summary["heldout"][0]["success"] == evaluated[3]["eval/success"]
+    assert summary["heldout_change"]["start_step"] == 0 and summary["heldout_change"]["end_step"] == 3
+    assert set(summary["phases_s"]) >= {"startup", "RL", "held-out eval"}
+    assert summary["wall_s"] >= sum(summary["phases_s"].values()) * 0.99
+    assert summary["host"]["cpu"] and "threads" in summary["host"]
     plot = _vcpo("plot", str(run_dir))
     assert plot.returncode == 0, plot.stderr[-3000:]
     trend = _vcpo("trend", str(run_dir))
