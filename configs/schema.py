@@ -808,6 +808,11 @@ class WarmStartConfig(StrictModel):
     """AdamW learning rate of the SFT."""
     batch_size: int = Field(8, ge=1)
     """Demonstrations per SFT step (padded; ~300 tokens each for Countdown)."""
+    retry_fraction: float = Field(0.0, ge=0, le=1)
+    """Share of the demonstrations that first check a wrong equation, read the tool's output, say it
+    misses the target and check the right one before answering (needs the task's loop.max_turns ≥ 3):
+    the tool's output then decides what the model does next, which a demonstration that is right at
+    once never shows. 0: every demonstration is right at once."""
     autocast: Literal["none", "bfloat16", "auto"] = "none"
     """Mixed precision of the SFT over fp32 weights, as learner.autocast ('none' here, the default run
     sets 'auto': bf16 where the hardware does it, 1.5× faster; docs/results.md compares the two)."""

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 TURN_1 = "Let me check the equation with Python.\n```python\nprint({expression})\n```\n"
 TURN_2 = "The equation {expression} equals {target}, so the answer is \\boxed{{{expression}}}."
+RETRY = ("That gives {value}, not {target}. Let me try another equation.\n"
+         "```python\nprint({expression})\n```\n")
 
 
 def _python_print(expression: str) -> str:
@@ -60,9 +62,27 @@ def _python_print(expression: str) -> str:
     return f"{value}\n"
 
 
-def demonstrations(task: TaskConfig, samples: list[Sample], tokenizer: Any, count: int, seed: int
-                   ) -> list[tuple[list[int], list[bool]]]:
-    """(token ids, loss mask) of up to `count` solver-written tool episodes, from the end of `samples`."""
+def _wrong_expression(numbers: list[int], target: int, rng: random.Random) -> str | None:
+    """An equation of the same numbers, written as the solver writes its own ("(a + b) - c"), that misses
+    `target`; None when 20 draws all hit it."""
+    for _ in range(20):
+        order = rng.sample(numbers, len(numbers))
+        expression = f"{order[0]} {rng.choice('+-*')} {order[1]}"
+        for number in order[2:]:
+            expression = f"({expression}) {rng.choice('+-*')} {number}"
+        if _python_print(expression) != f"{target}\n":
+            return expression
+    return None
+
+
+def demonstrations(task: TaskConfig, samples: list[Sample], tokenizer: Any, count: int, seed: int,
+                   retry_fraction: float = 0.0) -> list[tuple[list[int], list[bool]]]:
+    """(token ids, loss mask) of up to `count` solver-written tool episodes, from the end of `samples`; a
+    `retry_fraction` share of them checks a wrong equation first (three turns instead of two)."""
+    if retry_fraction > 0 and task.loop.max_turns < 3:
+        raise ValueError(f"warm_start.retry_fraction={retry_fraction} writes three-turn demonstrations, but "
+                         f"the task's loop.max_turns is {task.loop.max_turns}; raise it to 3 or set "
+                         "warm_start.retry_fraction=0")
     out: list[tuple[list[int], list[bool]]] = []
     rng = random.Random(seed)
     for sample in reversed(samples):
@@ -78,15 +98,30 @@ def demonstrations(task: TaskConfig, samples: list[Sample], tokenizer: Any, coun
         if expression is None:
             continue
         prompt = render_prompt_ids(tokenizer, render_messages(task.prompt.system, task.prompt.user, sample))
-        turn_1 = tokenizer.encode(TURN_1.format(expression=expression), add_special_tokens=False)
-        shown = format_observation(_python_print(expression), task.loop.observation_format)
-        observation = tokenizer.encode(shown, add_special_tokens=False)
-        turn_2 = [*tokenizer.encode(TURN_2.format(expression=expression, target=answer["target"]),
-                                    add_special_tokens=False), tokenizer.eos_token_id]
-        ids = prompt + turn_1 + observation + turn_2
-        mask = ([False] * len(prompt) + [True] * len(turn_1) + [False] * len(observation)
-                + [True] * len(turn_2))
-        out.append((ids, mask))
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        def observe(checked: str) -> list[int]:
+            return encode(format_observation(_python_print(checked), task.loop.observation_format))
+
+        wrong = None
+        if retry_fraction > 0 and rng.random() < retry_fraction:  # no draw at 0: demonstrations as before
+            wrong = _wrong_expression(numbers, int(answer["target"]), rng)
+        if wrong is None:
+            checks = [(TURN_1.format(expression=expression), expression)]
+        else:
+            checks = [(TURN_1.format(expression=wrong), wrong),
+                      (RETRY.format(value=_python_print(wrong).strip(), target=answer["target"],
+                                    expression=expression), expression)]
+        ids, mask = list(prompt), [False] * len(prompt)
+        for text, checked in checks:  # the model's turn (trained), then the tool's output (masked)
+            turn, shown = encode(text), observe(checked)
+            ids += turn + shown
+            mask += [True] * len(turn) + [False] * len(shown)
+        final = [*encode(TURN_2.format(expression=expression, target=answer["target"])),
+                 tokenizer.eos_token_id]
+        out.append((ids + final, mask + [True] * len(final)))
     return out
 
 
@@ -122,6 +157,10 @@ def _sft_step(model: torch.nn.Module, batch: list[tuple[list[int], list[bool]]],
     return total
 
 
+_NOT_IN_THE_KEY = {"autocast"}
+"""Settings outside the cache key as such (autocast enters it as the dtype actually used; retry_fraction
+only when it is not 0, so that models cached before it existed stay valid)."""
+
 WARM_START_RECIPE = 2
 """Bumped when the SFT's code changes what a cached model is (2: packed forward, logits at trained
 tokens only), so no model of the older recipe is taken for this one's."""
@@ -130,7 +169,8 @@ tokens only), so no model of the older recipe is taken for this one's."""
 def warm_start_dir(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Path:
     """Cache folder of the warm-started model for these settings (any change → a new folder)."""
     settings = {"model": config.model.path, "dtype": config.model.dtype, "task": task.model_dump(mode="json"),
-                "warm_start": config.warm_start.model_dump(mode="json", exclude={"autocast"}),
+                "warm_start": config.warm_start.model_dump(mode="json", exclude=_NOT_IN_THE_KEY | (
+                    {"retry_fraction"} if not config.warm_start.retry_fraction else set())),
                 "seed": config.seed, "recipe": WARM_START_RECIPE}
     if _autocast(config) is not None:  # absent otherwise: fp32 caches from before it stay valid
         settings["autocast"] = "bfloat16"
@@ -164,7 +204,8 @@ def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_d
     report(f"[warm start] writing {settings.examples} solver demonstrations (once; cached in {out_dir})")
     tokenizer = load_tokenizer(config.model.path, cache_dir)
     samples = load_samples(task, which="train", task_dir=task_path.parent).samples
-    examples = demonstrations(task, samples, tokenizer, settings.examples, config.seed)
+    examples = demonstrations(task, samples, tokenizer, settings.examples, config.seed,
+                              settings.retry_fraction)
     if should_stop():
         raise WarmStartStopped("stopped before training")
     if not examples:

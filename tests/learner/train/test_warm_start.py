@@ -5,6 +5,7 @@ equation correct), the SFT lowers the loss on them and is cached, and `vcpo trai
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,30 @@ def test_demonstrations_are_correct_tool_episodes_with_masked_prompt_and_observa
         equation = find_boxed(text)
         assert equation is not None
         assert score_expression(equation, sample.answer["numbers"], sample.answer["target"])
+
+
+def test_retry_demonstrations_check_a_wrong_equation_read_its_output_and_then_check_the_right_one() -> None:
+    task, path = load_task(ROOT / "configs" / "tasks" / "countdown.yaml",
+                           ["dataset.num_samples=40", "loop.max_turns=3"])
+    samples = load_samples(task, which="train", task_dir=path.parent).samples
+    tokenizer = build_byte_tokenizer()
+    demos = demonstrations(task, samples, tokenizer, count=6, seed=0, retry_fraction=1.0)
+    assert len(demos) == 6
+    for ids, mask in demos:
+        trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        untrained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+        first, second = re.findall(r"```python\nprint\((.*)\)\n```", trained)
+        shown = re.findall(r"```output\n(.*)\n```", untrained)
+        equation = find_boxed(tokenizer.decode(ids))
+        target = int(re.search(r"not (-?\d+)\. Let me try another", trained).group(1))
+        assert equation == second != first and float(shown[1]) == target != float(shown[0])
+        assert f"That gives {shown[0]}, not {target}." in trained  # the model reads the tool's output
+    plain = demonstrations(task, samples, tokenizer, count=6, seed=0)
+    assert plain == demonstrations(task, samples, tokenizer, count=6, seed=0, retry_fraction=0.0)
+    two_turns, _ = load_task(ROOT / "configs" / "tasks" / "countdown.yaml",
+                             ["dataset.num_samples=40", "loop.max_turns=2"])
+    with pytest.raises(ValueError, match=r"loop\.max_turns is 2.*raise it to 3"):
+        demonstrations(two_turns, samples, tokenizer, count=2, seed=0, retry_fraction=0.5)
 
 
 def test_warm_start_lowers_the_loss_and_is_cached(tmp_path: Path, tiny_model_dir: Path) -> None:
