@@ -195,6 +195,26 @@ def result_from_records(version: int, records: Sequence[dict[str, Any]], samples
     return HeldoutResult(version, success, low, high, means, summary_of(records, wanted, k), seconds)
 
 
+def result_from_file(path: Path) -> HeldoutResult:
+    """The `HeldoutResult` of a finished evaluation file (`run_dir/eval/version_*.jsonl`), read on its own:
+    the prompts and k come from its meta line. Raises ValueError naming the file when it is not a whole
+    held-out evaluation."""
+    lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        records = [json.loads(line) for line in lines]
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not a JSON-lines evaluation file ({exc})") from None
+    if not records or records[0].get("kind") != "meta" or records[0]["meta"].get("kind") != "heldout":
+        raise ValueError(f"{path}: no held-out meta line first; is it a `vcpo train` evaluation file?")
+    meta = records[0]["meta"]
+    samples = [Sample(sample_id=sample_id, fields={}, answer=None) for sample_id in meta["prompts"]]
+    finished = [record for record in records[1:] if record.get("kind") == "sample"]
+    try:
+        return result_from_records(int(meta["version"]), finished, samples, int(meta["k"]), 0.0)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
 class HeldoutEvaluator:
     """Evaluates the engine's current policy on the held-out set; one file per version in `out_dir`."""
 

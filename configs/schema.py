@@ -502,6 +502,31 @@ def check_bench_lengths(tokens: int, prompt: int, sampled: int) -> None:
                          "lower one of them")
 
 
+class MainJobBenchConfig(StrictModel):
+    """`vcpo bench main_job`: the main job (`vcpo train` of `config`) once per seed, each run's small files
+    kept as evidence, and the summary every figure of the main job's claim comes from — held-out success
+    at every evaluation, start → end gain with its 95% interval, wall time by phase, the host
+    (learner/benchmarks/main_job.py)."""
+
+    config: str = "configs/default.yaml"
+    """The run config each seed trains (relative paths start at the repository root)."""
+    overrides: list[str] = Field(default_factory=list)
+    """a.b.c=value overrides applied to every seed's run (after `seed` and `run_dir`)."""
+    seeds: list[int] = Field(default_factory=lambda: [31, 32, 33], min_length=1)
+    """The seeds, fixed before any of them runs."""
+    runs_dir: str = "runs/main_job"
+    """Where each seed trains (`<runs_dir>/seed_<s>`; checkpoints and exports stay here, uncommitted)."""
+    evidence_dir: str = "docs/results/main_job_runs"
+    """Where each finished seed's small files are copied (`<evidence_dir>/seed_<s>`): config, task,
+    summary.json, metrics.jsonl, trajectories.jsonl, eval/*.jsonl, timing.json. A seed already here is
+    not run again."""
+    run: bool = True
+    """False: summarize the evidence already stored, run nothing (a seed without evidence is an error)."""
+    min_gain: float = Field(0.10, ge=0, le=1)
+    """The claim: every seed's held-out success rises by at least this (a fraction) with its interval
+    above 0, and no evaluation falls significantly below the start."""
+
+
 class LearnerBenchConfig(StrictModel):
     """`vcpo bench learner` (learner/benchmarks/learner_step.py): optimizer steps of each learner backend
     on one random minibatch of a random model, by default the default run's step (SmolLM2-135M's shape,

@@ -16,6 +16,7 @@ from configs.schema import (
     AsyncBenchConfig,
     EngineBenchConfig,
     LearnerBenchConfig,
+    MainJobBenchConfig,
     OpobBenchConfig,
     RunConfig,
     SandboxBenchConfig,
@@ -38,13 +39,17 @@ def _tool_spec(path: Path) -> Any:
 
 BENCH_SCHEMAS: dict[str, type] = {"opob": OpobBenchConfig, "async": AsyncBenchConfig,
                                    "engine": EngineBenchConfig, "sandbox": SandboxBenchConfig,
-                                   "staleness": StalenessBenchConfig, "learner": LearnerBenchConfig}
+                                   "staleness": StalenessBenchConfig, "learner": LearnerBenchConfig,
+                                   "main_job": MainJobBenchConfig}
 """configs/bench/<name>.yaml (or a preset <name>_<variant>.yaml) → the schema of `vcpo bench <name>`."""
 
 
 def bench_schema_of(path: Path) -> type | None:
     """The `vcpo bench` schema of a bench YAML, by its name (a preset's `_<variant>` suffix ignored)."""
-    return BENCH_SCHEMAS.get(path.stem.split("_", 1)[0])
+    for name in sorted(BENCH_SCHEMAS, key=len, reverse=True):  # the longest name first: main_job, not main
+        if path.stem == name or path.stem.startswith(name + "_"):
+            return BENCH_SCHEMAS[name]
+    return None
 
 def check_task_config(path: str | Path, overrides: Sequence[str] = ()) -> TaskConfig:
     """Load a task YAML and check what its schema cannot (`learner.train.compose.load_task`: the tool

@@ -74,7 +74,8 @@ def _build_parser() -> argparse.ArgumentParser:
     model.set_defaults(handler=_model_prepare)
 
     bench = commands.add_parser("bench", help="benchmarks (JSON on stdout)")
-    bench.add_argument("name", choices=["opob", "sandbox", "engine", "async", "staleness", "learner"])
+    bench.add_argument("name", choices=["opob", "sandbox", "engine", "async", "staleness", "learner",
+                                        "main_job"])
     bench.add_argument("--config", type=Path, default=None, help="benchmark config YAML")
     bench.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     bench.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the benchmark config")
@@ -242,6 +243,14 @@ def _bench(args: argparse.Namespace) -> int:
             args.config = PACKAGE_ROOT / "configs" / "bench" / "staleness.yaml"
         result = run_staleness_bench(_bench_config(args, StalenessBenchConfig), progress=_progress)
         print(Path(result["config"]["run_root"], "summary.md").read_text(), file=sys.stderr)
+    elif args.name == "main_job":
+        from configs.schema import MainJobBenchConfig
+        from learner.benchmarks.main_job import run_main_job_bench
+        from learner.train.compose import PACKAGE_ROOT
+
+        if args.config is None:  # the seeds and the settings of the claim live in the shipped file
+            args.config = PACKAGE_ROOT / "configs" / "bench" / "main_job.yaml"
+        result = run_main_job_bench(_bench_config(args, MainJobBenchConfig), PACKAGE_ROOT, progress=_progress)
     else:
         from tools.sandbox.bench import run_sandbox_bench
 
