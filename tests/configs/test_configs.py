@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,42 @@ def test_a_broken_shipped_tool_spec_is_reported_with_its_file(tmp_path: Path) ->
             validate_shipped_file(bad)
     finally:
         config_catalog.CONFIG_ROOT = original
+
+
+def _differences(shipped: object, schema: object, path: str = "") -> list[str]:
+    """Dotted paths of the leaves where `shipped` differs from `schema` (both plain JSON)."""
+    if isinstance(shipped, dict) and isinstance(schema, dict):
+        return [found for key in shipped
+                for found in _differences(shipped[key], schema.get(key), f"{path}{key}.")]
+    return [path.rstrip(".")] if shipped != schema else []
+
+
+def _says_why(lines: list[str], dotted: str) -> bool:
+    """Whether the line of `dotted` in a YAML file's text (each key looked up after its parent's line, block
+    or flow style), or a comment-only line right under it, carries "(schema: ...)"."""
+    start = 0
+    for key in dotted.split("."):
+        for index in range(start, len(lines)):
+            code = lines[index].split("#", 1)[0]
+            if re.search(rf"(^\s*|[{{,]\s*){re.escape(key)}:", code):
+                start = index
+                break
+        else:
+            return False
+    following = [start] + [i for i in range(start + 1, min(start + 4, len(lines)))
+                           if lines[i].lstrip().startswith("#") or not lines[i].split("#", 1)[0].strip()]
+    return any("(schema:" in lines[i] for i in following[:3])
+
+
+def test_every_value_of_the_default_run_that_differs_from_the_schema_says_why() -> None:
+    """configs/default.yaml is the tuned run, the schema's defaults the general ones: one meaning each, and
+    every place where they part names the schema's value and the reason, so neither drifts unnoticed."""
+    path = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+    shipped = load_config(path, RunConfig, []).model_dump(mode="json")
+    schema = RunConfig.model_validate({"task": shipped["task"]}).model_dump(mode="json")
+    differing = _differences(shipped, schema)
+    assert "optim.lr" in differing  # the check sees the differences at all
+    lines = path.read_text().splitlines()
+    silent = [dotted for dotted in differing if not _says_why(lines, dotted)]
+    assert not silent, f"{path}: these differ from configs/schema.py's defaults without a '(schema: …)' " \
+                       f"comment saying why: {silent}"
