@@ -1,6 +1,6 @@
 """Hand a thread's idle OpenMP workers back, so that the thread that computes now runs at full speed.
 
-Why (measured in docs/results.md): in one process the engine's thread and the learner's
+Why (measured in docs/log.md): in one process the engine's thread and the learner's
 thread each own an OpenMP team (torch's intra-op threads; libgomp keeps a thread's team docked after its
 last parallel region). libgomp counts every thread it manages, docked ones included, and once that count
 exceeds the CPUs it *throttles* its spin-wait: a worker spins ~100 iterations instead of ~300,000 before

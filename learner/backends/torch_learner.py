@@ -145,8 +145,8 @@ class TorchLearner:
     @property
     def _fused_adamw(self) -> bool | None:
         """AdamW's one-kernel-per-tensor implementation where torch has it (CPU, CUDA): on CPU the default
-        per-parameter loop took 0.35 s of a default-run step and the fused one 0.17 s (docs/results.md,
-        docs/results.md); the same update up to fp32 rounding (~1 ulp). None elsewhere (torch's default)."""
+        per-parameter loop took 0.35 s of a default-run step and the fused one 0.17 s (docs/log.md); the
+        same update up to fp32 rounding (~1 ulp). None elsewhere (torch's default)."""
         return True if self.device.type in ("cpu", "cuda") else None
 
     def _check_supported(self) -> None:
