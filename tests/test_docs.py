@@ -20,8 +20,10 @@ snippet, so none of them can silently pass everything.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
+import shutil
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -720,3 +722,22 @@ def test_the_task_doc_check_catches_missing_stale_and_wrong_rows() -> None:
     tool_row = next(line for line in text.splitlines() if line.startswith("| `tool.warm_pool_size`"))
     assert any("`tool.warm_pool_size` is not documented" in p
                for p in task_doc_problems(text.replace(tool_row, "")))
+
+
+def test_the_results_pages_generated_tables_are_what_their_committed_data_gives(tmp_path: Path) -> None:
+    """docs/results.md's tables marked as generated are rendered from committed JSON
+    (`python -m learner.benchmarks.results_page`); a figure edited by hand, or data changed without
+    rerunning the renderer, fails here."""
+    from learner.benchmarks import results_page
+
+    text = (ROOT / "docs" / "results.md").read_text()
+    assert {"staleness_ten_seeds", "gpu_check_parts"} <= set(results_page.blocks(text))
+    rendered, changed = results_page.render(text)
+    assert not changed, f"docs/results.md: {changed} differ from their JSON; rerun the renderer"
+    assert rendered == text
+    data = json.loads((ROOT / "docs" / "results" / "staleness_10seeds.json").read_text())
+    data["retention"][0]["retention"] += 0.5
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "staleness_10seeds.json").write_text(json.dumps(data))
+    shutil.copy(ROOT / "docs" / "results" / "gpu_check_h100.json", tmp_path / "docs" / "results")
+    assert results_page.render(text, root=tmp_path)[1] == ["staleness_ten_seeds"]

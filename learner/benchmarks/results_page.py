@@ -1,0 +1,148 @@
+"""The tables of docs/results.md that come from committed JSON, rendered from it, so a figure cannot drift
+from its data: each table sits between two markers naming its renderer and its file,
+
+    <!-- generated: staleness_ten_seeds from docs/results/staleness_10seeds.json -->
+    | ... |
+    <!-- end generated -->
+
+and `python -m learner.benchmarks.results_page` rewrites every such block from its file (`--check`: exits 1
+and names the blocks that differ, writing nothing). tests/test_docs.py runs the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "results.md"
+
+_BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) from (?P<path>[\w./-]+) -->\n)(?P<body>.*?)"
+                    r"(<!-- end generated -->)", re.DOTALL)
+
+
+def _mean_ci(entry: dict[str, Any]) -> str:
+    return f"{entry['final_success']:.3f} ± {entry['final_success_ci95']:.3f}"
+
+
+def _lr(lr: float) -> str:
+    """1e-4, 3e-5: a learning rate as people write it."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
+STALENESS_LABELS = {"vcpo_spec": "VCPO, spec OPOB", "vcpo_reference": "VCPO, reference OPOB",
+                    "seq_tis": "sequence TIS", "m2po": "M2PO", "grpo": "GRPO (no correction)",
+                    "token_tis": "token TIS", "vcpo_opob_winsorized": "VCPO, winsorized OPOB"}
+
+
+def staleness_ten_seeds(data: dict[str, Any]) -> str:
+    """Per method run at k = 0 and the largest k: both scores, the retention and whether the seeds
+    resolve "loses more than 5%", and the largest k's per-seed scores."""
+    ran = [e for e in data["summary"] if e["status"] == "ok" and e["numerics"] == "matched"]
+    top = max(e["lag"] for e in ran)
+    cells = {(e["method"], e["lag"]): e for e in ran}
+    kept = {(r["method"], r["lag"]): r for r in data["retention"] if r["numerics"] == "matched"}
+    methods = [m for m in dict.fromkeys(e["method"] for e in ran) if (m, 0) in cells and (m, top) in cells]
+    seeds = len(cells[(methods[0], 0)]["final_success_per_seed"])
+    lines = [f"| method (lr) | k = 0 ({seeds} seeds) | k = {top} ({seeds} seeds) | retention (95% interval) "
+             f"| \"loses > 5%\" | k = {top}, per seed |", "| --- | ---: | ---: | ---: | --- | --- |"]
+    for method in methods:
+        start, end, retention = cells[(method, 0)], cells[(method, top)], kept[(method, top)]
+        verdict = "yes" if retention["loses_more_than_5pct"] else "no"
+        verdict += ", resolved" if retention["resolved"] else " (point), not resolved"
+        per_seed = " ".join(f"{score:.3f}" for score in end["final_success_per_seed"])
+        lines.append(f"| {STALENESS_LABELS.get(method, method)} ({_lr(end['lr'])}) | {_mean_ci(start)} | "
+                     f"{_mean_ci(end)} | {100 * retention['retention']:.1f}% ± "
+                     f"{100 * retention['retention_ci95']:.1f}% | {verdict} | {per_seed} |")
+    return "\n".join(lines) + "\n"
+
+
+def _gpu_part_figure(name: str, result: dict[str, Any]) -> str:
+    """The one figure a reader wants from each part of the GPU check."""
+    if not result:
+        return "nothing written before its limit"
+    if name == "env":
+        peaks = result.get("matmul_peak_gflops", {})
+        return (f"{result.get('gpu')}, torch {result.get('torch')}; matmul peak bf16 "
+                f"{peaks.get('bfloat16', 0) / 1000:.0f}, fp32 {peaks.get('float32', 0) / 1000:.1f} TFLOP/s")
+    if name.startswith("train"):
+        figure = f"{result['steps']} steps, {result['step_s_mean']:.1f} s per step"
+        if result.get("lag0_steps"):
+            figure += f"; at lag 0 the largest log-ratio {result['lag0_max_abs_log_ratio']:.1e} in size"
+        return figure
+    if name == "pytest_gpu":
+        return f"{result['n_passed']} passed, {result['n_failed']} failed, {result['n_skipped']} skipped"
+    if name.startswith("bench_opob"):
+        return f"{len(result['rows'])} rows, peak memory {result['peak_memory_mib'] / 1024:.1f} GiB"
+    if name.startswith("bench_learner"):
+        return ", ".join(f"{backend}: {row.get('step_s_mean', float('nan')):.2f} s per step"
+                         for backend, row in result.items() if isinstance(row, dict) and "step_s_mean" in row)
+    if name == "staleness_tiny":
+        return "; ".join(f"{e['method']} k={e['lag']}: {e['final_success']:.3f}" for e in result["summary"]
+                         if e.get("final_success") is not None)
+    return ""
+
+
+def gpu_check_parts(data: dict[str, Any]) -> str:
+    """Every part of every call of the GPU check: its status, wall time and its figure."""
+    lines = ["| call | part | status | wall | figure |", "| ---: | --- | --- | ---: | --- |"]
+    for number, call in enumerate(data["calls"], start=1):
+        for name, part in call["parts"].items():
+            lines.append(f"| {number} | {name} | {part['status']} | {part['wall_s']:.0f} s | "
+                         f"{_gpu_part_figure(name, part.get('result') or {})} |")
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "staleness_ten_seeds": staleness_ten_seeds,
+    "gpu_check_parts": gpu_check_parts,
+}
+
+
+def render(text: str, root: Path = ROOT) -> tuple[str, list[str]]:
+    """`text` with every generated block rendered afresh, and the names of the blocks that changed."""
+    changed: list[str] = []
+
+    def fresh(match: re.Match[str]) -> str:
+        name, path = match["name"], match["path"]
+        if name not in RENDERERS:
+            raise ValueError(f"docs/results.md: no renderer {name!r}; known: {', '.join(sorted(RENDERERS))}")
+        body = RENDERERS[name](json.loads((root / path).read_text()))
+        if body != match["body"]:
+            changed.append(name)
+        return match.group(1) + body + match.group(5)
+
+    return _BLOCK.sub(fresh, text), changed
+
+
+def blocks(text: str) -> list[str]:
+    """The names of the generated blocks in `text`, in order."""
+    return [match["name"] for match in _BLOCK.finditer(text)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only say which blocks differ from their data")
+    args = parser.parse_args(argv)
+    text = PAGE.read_text()
+    new, changed = render(text)
+    if args.check:
+        if changed:
+            print(f"{PAGE}: out of date with its data: {', '.join(changed)}; run "
+                  "`python -m learner.benchmarks.results_page`", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(new)
+    print(f"{PAGE}: {len(blocks(new))} generated blocks, {len(changed)} rewritten "
+          f"({', '.join(changed) or 'none'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
