@@ -146,6 +146,8 @@ class RolloutManager:
         """Rejected groups replaced per batch slot at most; past that they are kept."""
         self._refills: dict[int, int] = {}
         self._last_batch_refills = 0
+        self._dropped_rewards: dict[int, list[float]] = {}
+        self._last_batch_dropped_rewards: list[float] = []
         self.counters = RolloutCounters()
         self._version = 0
         self._next_group_index = 0
@@ -207,6 +209,7 @@ class RolloutManager:
             self._next_batch_index += 1
             self._last_batch_refills = self._refills.get(batch, 0)
             self._refills = {b: n for b, n in self._refills.items() if b > batch}
+            self._last_batch_dropped_rewards = self._dropped_rewards.pop(batch, [])
             self._changed.notify_all()
         return groups
 
@@ -302,6 +305,7 @@ class RolloutManager:
         self._refills[ticket.batch_index] = self._refills.get(ticket.batch_index, 0) + 1
         self.counters.groups_refilled += 1
         self.counters.refill_tokens += sum(t.num_sampled_tokens for t in trajectories)
+        self._dropped_rewards.setdefault(ticket.batch_index, []).extend(t.reward for t in trajectories)
         self._retry.append(GroupTicket(ticket.group_index, ticket.batch_index, -1, 0,
                                        refill=self._refills[ticket.batch_index]))
         return True
@@ -310,6 +314,13 @@ class RolloutManager:
     def last_batch_refills(self) -> int:
         """Groups dynamic sampling dropped and replaced in the batch `next_batch` returned last."""
         return self._last_batch_refills
+
+    @property
+    def last_batch_dropped_rewards(self) -> list[float]:
+        """The rewards of the episodes dynamic sampling dropped from the batch `next_batch` returned last:
+        with the batch's own, every episode generated for that step (the trained ones alone are tilted
+        towards groups that scored unalike)."""
+        return list(self._last_batch_dropped_rewards)
 
     async def _on_failure(self, ticket: GroupTicket, exc: Exception) -> None:
         root: BaseException = exc
@@ -356,6 +367,7 @@ class RolloutManager:
                          "refill_tokens": self.counters.refill_tokens,
                          "trajectories": self.counters.trajectories},
             "refills": {str(b): n for b, n in self._refills.items()},
+            "dropped_rewards": {str(b): rewards for b, rewards in self._dropped_rewards.items()},
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -381,3 +393,4 @@ class RolloutManager:
         self.counters.refill_tokens = counters.get("refill_tokens", 0)
         self.counters.trajectories = counters.get("trajectories", 0)
         self._refills = {int(b): n for b, n in state.get("refills", {}).items()}
+        self._dropped_rewards = {int(b): list(r) for b, r in state.get("dropped_rewards", {}).items()}

@@ -103,6 +103,12 @@ ROLLOUT_REFILLED_GROUPS = "rollout/refilled_groups"
 """rollout.dynamic_sampling: groups dropped and refilled so far: a running total."""
 ROLLOUT_REFILL_TOKENS = "rollout/refill_tokens"
 """rollout.dynamic_sampling: tokens the dropped groups sampled (what refilling cost): a running total."""
+ROLLOUT_DROPPED_EPISODES = "rollout/dropped_episodes"
+"""rollout.dynamic_sampling: this step's episodes in the groups dropped and refilled."""
+ROLLOUT_REWARD_MEAN_GENERATED = "rollout/reward_mean_generated"
+"""rollout.dynamic_sampling: the mean reward over every episode generated for this step, the dropped ones
+included — the policy's own level; `reward/mean` (the trained episodes) is tilted towards groups with a
+spread."""
 ROLLOUT_REGENERATED_GROUPS = "rollout/regenerated_groups"
 """launcher=ray: groups regenerated (same prompt) because their rollout actor died: a running total."""
 

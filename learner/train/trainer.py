@@ -519,9 +519,13 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                     "perf/tokens_per_s": metrics["tokens/generated"] / max(1e-9, now - last_wall),
                     "rollout/failed_groups": manager.counters.groups_failed})
                 if rollout.dynamic_sampling:
+                    dropped = manager.last_batch_dropped_rewards
+                    generated = [t.reward for t in batch.trajectories] + dropped
                     metrics.update({names.ROLLOUT_REFILLS: manager.last_batch_refills,
                                     names.ROLLOUT_REFILLED_GROUPS: manager.counters.groups_refilled,
-                                    names.ROLLOUT_REFILL_TOKENS: manager.counters.refill_tokens})
+                                    names.ROLLOUT_REFILL_TOKENS: manager.counters.refill_tokens,
+                                    names.ROLLOUT_DROPPED_EPISODES: len(dropped),
+                                    names.ROLLOUT_REWARD_MEAN_GENERATED: sum(generated) / len(generated)})
                 metrics.update(runtime.counters())
                 trend = signal.update(step + 1, [t.reward for t in batch.trajectories])
                 metrics.update(trend)

@@ -214,6 +214,8 @@ async def test_dynamic_sampling_refills_rejected_groups_with_fresh_prompts_in_th
             for step in range(6):
                 groups = await manager.next_batch()
                 refills.append(manager.last_batch_refills)
+                dropped = manager.last_batch_dropped_rewards  # exactly the rejected groups' episodes
+                assert len(dropped) == refills[-1] * GROUP_SIZE and all(int(r) % 3 == 0 for r in dropped)
                 consumed += [ticket.prompt_position for ticket, _ in groups]
                 lags += [step - t.versions.start for _, ts in groups for t in ts]
                 assert sorted(ticket.group_index for ticket, _ in groups) == [2 * step, 2 * step + 1]

@@ -287,6 +287,10 @@ def test_dynamic_sampling_trains_only_on_groups_with_signal(tmp_path: Path, tiny
     assert all(r["staleness/max"] <= 1 for r in records)
     assert records[-1]["rollout/refilled_groups"] == sum(r["rollout/refills"] for r in records) > 0
     assert records[-1]["rollout/refill_tokens"] > 0
+    for record in records:  # every dropped group's episodes counted; without any, the two means agree
+        assert record["rollout/dropped_episodes"] == 4 * record["rollout/refills"]
+        if record["rollout/refills"] == 0:
+            assert record["rollout/reward_mean_generated"] == pytest.approx(record["reward/mean"])
     groups: dict[tuple[int, int], list[float]] = {}
     for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines():
         record = json.loads(line)
