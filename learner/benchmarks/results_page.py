@@ -19,15 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from learner.benchmarks.staleness import mean_ci_text
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "results.md"
 
 _BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) from (?P<path>[\w./-]+) -->\n)(?P<body>.*?)"
                     r"(<!-- end generated -->)", re.DOTALL)
-
-
-def _mean_ci(entry: dict[str, Any]) -> str:
-    return f"{entry['final_success']:.3f} ± {entry['final_success_ci95']:.3f}"
 
 
 def _lr(lr: float) -> str:
@@ -57,8 +55,8 @@ def staleness_ten_seeds(data: dict[str, Any]) -> str:
         verdict = "yes" if retention["loses_more_than_5pct"] else "no"
         verdict += ", resolved" if retention["resolved"] else " (point), not resolved"
         per_seed = " ".join(f"{score:.3f}" for score in end["final_success_per_seed"])
-        lines.append(f"| {STALENESS_LABELS.get(method, method)} ({_lr(end['lr'])}) | {_mean_ci(start)} | "
-                     f"{_mean_ci(end)} | {100 * retention['retention']:.1f}% ± "
+        lines.append(f"| {STALENESS_LABELS.get(method, method)} ({_lr(end['lr'])}) | {mean_ci_text(start)} | "
+                     f"{mean_ci_text(end)} | {100 * retention['retention']:.1f}% ± "
                      f"{100 * retention['retention_ci95']:.1f}% | {verdict} | {per_seed} |")
     return "\n".join(lines) + "\n"
 

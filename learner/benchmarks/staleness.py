@@ -568,7 +568,8 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return str(value)
 
 
-def _mean_ci(entry: dict[str, Any]) -> str:
+def mean_ci_text(entry: dict[str, Any]) -> str:
+    """A (method, k) cell's mean final success and its 95% interval as text (0.430 ± 0.011), or its status."""
     if entry["status"] != "ok":
         return entry["status"]
     half = entry.get("final_success_ci95")
@@ -607,7 +608,7 @@ def format_summary(result: dict[str, Any]) -> str:
               "| method | " + " | ".join(f"k={lag}" + ("" if n == "matched" else f" ({n})")
                                          for lag, n in columns) + " |", "|---|" + "---|" * len(columns)]
     for method in methods:
-        cells = " | ".join(_mean_ci(cell[(method, lag, n)]) for lag, n in columns)
+        cells = " | ".join(mean_ci_text(cell[(method, lag, n)]) for lag, n in columns)
         lines.append(f"| {method} | {cells} |")
     lines += ["", "Retention (final score ÷ the same method's k = 0 score, 95% interval):", "",
               "| method | numerics | k | retention | loses > 5% | resolved |", "|---|---|---|---|---|---|"]

@@ -9,7 +9,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from configs.loader import ConfigError
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
 from learner.observability.console import terminal
+from learner.observability.metrics_log import atomic_write_text
 from learner.train.checkpointing import resume_conflicts
 from learner.train.trainer import TrainSummary
 
@@ -84,9 +84,7 @@ def write_run_summary(run_dir: Path, summary: TrainSummary, wall_s: float) -> Pa
             "low": change.low, "high": change.high},
     }
     path = run_dir / SUMMARY_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(record, indent=1) + "\n")
     return path
 
 

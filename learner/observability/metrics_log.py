@@ -206,7 +206,7 @@ class MetricsLogger:
                 log.info("resume at step %d: dropping %d logged steps after it from %s",
                          resume_from_step, len(records) - len(kept), self.path)
             raw, records = [line for line, _ in kept], [r for _, r in kept]
-        _atomic_write(self.path, "".join(raw))
+        atomic_write_text(self.path, "".join(raw))
         return records
 
     @property
@@ -269,7 +269,7 @@ class MetricsLogger:
         self.close()
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     """Replace `path` with `text` so that a crash leaves either the old or the new file."""
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as file:

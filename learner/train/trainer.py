@@ -518,16 +518,17 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                     "time/step": now - last_wall, "time/cpu": cpu - last_cpu,
                     "perf/tokens_per_s": metrics["tokens/generated"] / max(1e-9, now - last_wall),
                     "rollout/failed_groups": manager.counters.groups_failed})
+                trained_rewards = [t.reward for t in batch.trajectories]
                 if rollout.dynamic_sampling:
                     dropped = manager.last_batch_dropped_rewards
-                    generated = [t.reward for t in batch.trajectories] + dropped
+                    generated = trained_rewards + dropped
                     metrics.update({names.ROLLOUT_REFILLS: manager.last_batch_refills,
                                     names.ROLLOUT_REFILLED_GROUPS: manager.counters.groups_refilled,
                                     names.ROLLOUT_REFILL_TOKENS: manager.counters.refill_tokens,
                                     names.ROLLOUT_DROPPED_EPISODES: len(dropped),
                                     names.ROLLOUT_REWARD_MEAN_GENERATED: sum(generated) / len(generated)})
                 metrics.update(runtime.counters())
-                trend = signal.update(step + 1, [t.reward for t in batch.trajectories])
+                trend = signal.update(step + 1, trained_rewards)
                 metrics.update(trend)
                 shown_trend = trend or shown_trend  # the line keeps the latest trend between updates
                 falling = signal.warning(step + 1, trend)

@@ -83,6 +83,12 @@ def demonstrations(task: TaskConfig, samples: list[Sample], tokenizer: Any, coun
         raise ValueError(f"warm_start.retry_fraction={retry_fraction} writes three-turn demonstrations, but "
                          f"the task's loop.max_turns is {task.loop.max_turns}; raise it to 3 or set "
                          "warm_start.retry_fraction=0")
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def observe(checked: str) -> list[int]:
+        return encode(format_observation(_python_print(checked), task.loop.observation_format))
+
     out: list[tuple[list[int], list[bool]]] = []
     rng = random.Random(seed)
     for sample in reversed(samples):
@@ -98,13 +104,6 @@ def demonstrations(task: TaskConfig, samples: list[Sample], tokenizer: Any, coun
         if expression is None:
             continue
         prompt = render_prompt_ids(tokenizer, render_messages(task.prompt.system, task.prompt.user, sample))
-
-        def encode(text: str) -> list[int]:
-            return tokenizer.encode(text, add_special_tokens=False)
-
-        def observe(checked: str) -> list[int]:
-            return encode(format_observation(_python_print(checked), task.loop.observation_format))
-
         wrong = None
         if retry_fraction > 0 and rng.random() < retry_fraction:  # no draw at 0: demonstrations as before
             wrong = _wrong_expression(numbers, int(answer["target"]), rng)
@@ -157,10 +156,6 @@ def _sft_step(model: torch.nn.Module, batch: list[tuple[list[int], list[bool]]],
     return total
 
 
-_NOT_IN_THE_KEY = {"autocast"}
-"""Settings outside the cache key as such (autocast enters it as the dtype actually used; retry_fraction
-only when it is not 0, so that models cached before it existed stay valid)."""
-
 WARM_START_RECIPE = 2
 """Bumped when the SFT's code changes what a cached model is (2: packed forward, logits at trained
 tokens only), so no model of the older recipe is taken for this one's."""
@@ -169,7 +164,9 @@ tokens only), so no model of the older recipe is taken for this one's."""
 def warm_start_dir(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Path:
     """Cache folder of the warm-started model for these settings (any change → a new folder)."""
     settings = {"model": config.model.path, "dtype": config.model.dtype, "task": task.model_dump(mode="json"),
-                "warm_start": config.warm_start.model_dump(mode="json", exclude=_NOT_IN_THE_KEY | (
+                # autocast enters as the dtype used (below); retry_fraction only when not 0, so that models
+                # cached before it existed stay valid
+                "warm_start": config.warm_start.model_dump(mode="json", exclude={"autocast"} | (
                     {"retry_fraction"} if not config.warm_start.retry_fraction else set())),
                 "seed": config.seed, "recipe": WARM_START_RECIPE}
     if _autocast(config) is not None:  # absent otherwise: fp32 caches from before it stay valid
