@@ -838,6 +838,12 @@ class WarmStartConfig(StrictModel):
     misses the target and check the right one before answering (needs the task's loop.max_turns ≥ 3):
     the tool's output then decides what the model does next, which a demonstration that is right at
     once never shows. 0: every demonstration is right at once."""
+    search_fraction: float = Field(0.0, ge=0, le=1)
+    """Share of the demonstrations whose tool call is a search program (every order and operator of the
+    numbers; the same text for every puzzle but its last line, which copies the prompt's numbers and
+    target) and whose answer is the equation it prints, instead of one equation checked by hand. The
+    model then starts RL with two strategies in this mix, and RL can learn which one to use.
+    0: every demonstration checks one equation."""
     autocast: Literal["none", "bfloat16", "auto"] = "none"
     """Mixed precision of the SFT over fp32 weights, as learner.autocast ('none' here, the default run
     sets 'auto': bf16 where the hardware does it, 1.5× faster; docs/results.md compares the two)."""

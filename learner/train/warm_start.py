@@ -20,7 +20,9 @@ and renamed into place; a resumed run reuses it (the checkpoint restores the lea
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-from agent_env.countdown import solve
+from agent_env.countdown import score_expression, solve
 from agent_env.prompts import render_messages, render_prompt_ids
 from agent_env.samples import Sample
 from agent_env.turns import format_observation
@@ -49,6 +51,27 @@ TURN_1 = "Let me check the equation with Python.\n```python\nprint({expression})
 TURN_2 = "The equation {expression} equals {target}, so the answer is \\boxed{{{expression}}}."
 RETRY = ("That gives {value}, not {target}. Let me try another equation.\n"
          "```python\nprint({expression})\n```\n")
+SEARCH = "Let me search for the equation with Python.\n```python\n{program}```\n"
+SEARCH_PROGRAM = """from itertools import permutations
+
+
+def search(nums, target):
+    if len(nums) == 1:
+        return nums[0] if abs(eval(nums[0]) - target) < 1e-9 else None
+    for a, b, *rest in permutations(nums):
+        for op in '+-*/':
+            try:
+                found = search([f'({{a}} {{op}} {{b}})', *rest], target)
+            except ZeroDivisionError:
+                continue
+            if found:
+                return found
+
+
+print(search([str(n) for n in {numbers}], {target}))
+"""
+"""A search over every order and operator, as a solver-minded person would write it: the same text
+for every puzzle but the last line, whose numbers and target are copied from the prompt."""
 
 
 def _python_print(expression: str) -> str:
@@ -75,10 +98,20 @@ def _wrong_expression(numbers: list[int], target: int, rng: random.Random) -> st
     return None
 
 
+def _search_output(program: str) -> str:
+    """What the sandbox prints for a SEARCH_PROGRAM (our own text, so it runs here, on no input)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(program, "<search>", "exec"), {"__name__": "__main__"})
+    return printed.getvalue()
+
+
 def demonstrations(task: TaskConfig, samples: list[Sample], tokenizer: Any, count: int, seed: int,
-                   retry_fraction: float = 0.0) -> list[tuple[list[int], list[bool]]]:
+                   retry_fraction: float = 0.0,
+                   search_fraction: float = 0.0) -> list[tuple[list[int], list[bool]]]:
     """(token ids, loss mask) of up to `count` solver-written tool episodes, from the end of `samples`; a
-    `retry_fraction` share of them checks a wrong equation first (three turns instead of two)."""
+    `search_fraction` share of them runs a search program instead of checking one equation, and a
+    `retry_fraction` share of the others checks a wrong equation first (three turns instead of two)."""
     if retry_fraction > 0 and task.loop.max_turns < 3:
         raise ValueError(f"warm_start.retry_fraction={retry_fraction} writes three-turn demonstrations, but "
                          f"the task's loop.max_turns is {task.loop.max_turns}; raise it to 3 or set "
@@ -86,8 +119,8 @@ def demonstrations(task: TaskConfig, samples: list[Sample], tokenizer: Any, coun
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def observe(checked: str) -> list[int]:
-        return encode(format_observation(_python_print(checked), task.loop.observation_format))
+    def observe(printed: str) -> list[int]:
+        return encode(format_observation(printed, task.loop.observation_format))
 
     out: list[tuple[list[int], list[bool]]] = []
     rng = random.Random(seed)
@@ -104,18 +137,25 @@ def demonstrations(task: TaskConfig, samples: list[Sample], tokenizer: Any, coun
         if expression is None:
             continue
         prompt = render_prompt_ids(tokenizer, render_messages(task.prompt.system, task.prompt.user, sample))
-        wrong = None
-        if retry_fraction > 0 and rng.random() < retry_fraction:  # no draw at 0: demonstrations as before
+        wrong = searched = None
+        if search_fraction > 0 and rng.random() < search_fraction:  # no draw at 0: demonstrations as before
+            program = SEARCH_PROGRAM.format(numbers=list(answer["numbers"]), target=int(answer["target"]))
+            found = _search_output(program).strip()
+            if score_expression(found, answer["numbers"], int(answer["target"])):
+                searched, expression = program, found
+        elif retry_fraction > 0 and rng.random() < retry_fraction:
             wrong = _wrong_expression(numbers, int(answer["target"]), rng)
-        if wrong is None:
-            checks = [(TURN_1.format(expression=expression), expression)]
+        if searched is not None:
+            checks = [(SEARCH.format(program=searched), f"{expression}\n")]
+        elif wrong is None:
+            checks = [(TURN_1.format(expression=expression), _python_print(expression))]
         else:
-            checks = [(TURN_1.format(expression=wrong), wrong),
+            checks = [(TURN_1.format(expression=wrong), _python_print(wrong)),
                       (RETRY.format(value=_python_print(wrong).strip(), target=answer["target"],
-                                    expression=expression), expression)]
+                                    expression=expression), _python_print(expression))]
         ids, mask = list(prompt), [False] * len(prompt)
-        for text, checked in checks:  # the model's turn (trained), then the tool's output (masked)
-            turn, shown = encode(text), observe(checked)
+        for text, printed in checks:  # the model's turn (trained), then the tool's output (masked)
+            turn, shown = encode(text), observe(printed)
             ids += turn + shown
             mask += [True] * len(turn) + [False] * len(shown)
         final = [*encode(TURN_2.format(expression=expression, target=answer["target"])),
@@ -164,13 +204,16 @@ tokens only), so no model of the older recipe is taken for this one's."""
 def warm_start_dir(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Path:
     """Cache folder of the warm-started model for these settings (any change → a new folder)."""
     settings = {"model": config.model.path, "dtype": config.model.dtype, "task": task.model_dump(mode="json"),
-                # autocast enters as the dtype used (below); retry_fraction only when not 0, so that models
-                # cached before it existed stay valid
-                "warm_start": config.warm_start.model_dump(mode="json", exclude={"autocast"} | (
-                    {"retry_fraction"} if not config.warm_start.retry_fraction else set())),
+                # autocast enters as the dtype used (below); the fractions only when not 0, so that models
+                # cached before they existed stay valid
+                "warm_start": config.warm_start.model_dump(mode="json", exclude={"autocast"} | {
+                    name for name in ("retry_fraction", "search_fraction")
+                    if not getattr(config.warm_start, name)}),
                 "seed": config.seed, "recipe": WARM_START_RECIPE}
     if _autocast(config) is not None:  # absent otherwise: fp32 caches from before it stay valid
         settings["autocast"] = "bfloat16"
+    if config.warm_start.search_fraction:  # a reworded program is another model
+        settings["search_program"] = SEARCH + SEARCH_PROGRAM
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir / "warm_start" / key
 
@@ -202,7 +245,7 @@ def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_d
     tokenizer = load_tokenizer(config.model.path, cache_dir)
     samples = load_samples(task, which="train", task_dir=task_path.parent).samples
     examples = demonstrations(task, samples, tokenizer, settings.examples, config.seed,
-                              settings.retry_fraction)
+                              settings.retry_fraction, settings.search_fraction)
     if should_stop():
         raise WarmStartStopped("stopped before training")
     if not examples:

@@ -71,6 +71,50 @@ def test_retry_demonstrations_check_a_wrong_equation_read_its_output_and_then_ch
         demonstrations(two_turns, samples, tokenizer, count=2, seed=0, retry_fraction=0.5)
 
 
+def test_search_demonstrations_run_one_program_whose_printed_equation_is_the_answer() -> None:
+    task, path = _task()
+    samples = load_samples(task, which="train", task_dir=path.parent).samples
+    tokenizer = build_byte_tokenizer()
+    demos = demonstrations(task, samples, tokenizer, count=8, seed=0, search_fraction=1.0)
+    assert len(demos) == 8
+    programs = []
+    for ids, mask in demos:
+        trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        untrained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+        numbers, target = map(json.loads, re.search(r"Using the numbers (\[[^]]*\]), create an equation "
+                                                    r"that equals (\d+)", untrained).groups())
+        program = re.search(r"```python\n(.*?)```", trained, re.S).group(1)
+        assert program.endswith(f"for n in {numbers}], {target}))\n")  # copied from the prompt
+        shown = re.search(r"```output\n(.*)\n```", untrained).group(1)  # the program's output, masked
+        assert find_boxed(tokenizer.decode(ids)) == shown and score_expression(shown, numbers, target)
+        programs.append((program, shown))
+    # every program is the same text but its last line: one strategy, not one per puzzle
+    assert len({program.rsplit("\n", 2)[0] for program, _ in programs}) == 1
+    mixed = demonstrations(task, samples, tokenizer, count=40, seed=0, search_fraction=0.5)
+    searches = sum("def search" in tokenizer.decode(ids) for ids, _ in mixed)
+    assert 0 < searches < len(mixed)
+    assert demonstrations(task, samples, tokenizer, count=6, seed=0) == demonstrations(
+        task, samples, tokenizer, count=6, seed=0, search_fraction=0.0)
+
+
+@needs_bwrap
+async def test_the_sandbox_prints_what_the_search_demonstration_shows() -> None:
+    from tools.base import ToolCall
+    from tools.registry import build_tool
+
+    task, path = _task()
+    samples = load_samples(task, which="train", task_dir=path.parent).samples
+    tokenizer = build_byte_tokenizer()
+    demos = demonstrations(task, samples, tokenizer, count=3, seed=0, search_fraction=1.0)
+    async with build_tool({"type": "python", "timeout_s": 10, "warm_pool_size": 0}) as tool:
+        for ids, _ in demos:
+            text = tokenizer.decode(ids)
+            program = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+            result = await tool.run(ToolCall(code=program))
+            assert result.status == "ok", result
+            assert f"```output\n{result.stdout}```" in text
+
+
 def test_warm_start_lowers_the_loss_and_is_cached(tmp_path: Path, tiny_model_dir: Path) -> None:
     task, path = _task()
     config = RunConfig.model_validate({"model": {"path": str(tiny_model_dir)}, "task": str(path),
