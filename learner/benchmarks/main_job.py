@@ -24,6 +24,7 @@ from typing import Any
 from agent_env.heldout import HeldoutResult, paired_change, result_from_file
 from configs.schema import MainJobBenchConfig
 from learner.observability.trend import reward_trend
+from learner.train.warm_start import is_search_program
 
 EVIDENCE_FILES = ("config.yaml", "task.yaml", "summary.json", "metrics.jsonl", "trajectories.jsonl")
 """A run's small files kept per seed, beside its `eval/` folder (checkpoints and exports stay behind)."""
@@ -72,14 +73,30 @@ def keep_evidence(run_dir: Path, evidence: Path, wall_s: float) -> None:
     tmp.rename(evidence)
 
 
-def _evaluation(result: HeldoutResult) -> dict[str, Any]:
+def _strategies(path: Path) -> dict[str, dict[str, int]]:
+    """How one evaluation's episodes used the tool — with the warm start's search program or otherwise —
+    and how many of each solved their puzzle: what the policy learned to do, beside how well."""
+    counts = {"search_program": {"episodes": 0, "correct": 0}, "other": {"episodes": 0, "correct": 0}}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.get("kind") != "sample":
+            continue
+        code = "\n".join(turn.get("code") or "" for turn in record.get("turns", []))
+        row = counts["search_program" if is_search_program(code) else "other"]
+        row["episodes"] += 1
+        row["correct"] += bool(record.get("is_correct"))
+    return counts
+
+
+def _evaluation(result: HeldoutResult, path: Path) -> dict[str, Any]:
     return {"step": result.version, "success": round(result.success, 4), "low": round(result.low, 4),
-            "high": round(result.high, 4), "prompts": len(result.per_prompt)}
+            "high": round(result.high, 4), "prompts": len(result.per_prompt), "strategies": _strategies(path)}
 
 
 def summarize_seed(evidence: Path, min_gain: float) -> dict[str, Any]:
     """One seed's figures, from its evidence folder alone."""
-    results = [result_from_file(path) for path in sorted((evidence / "eval").glob("version_*.jsonl"))]
+    paths = sorted((evidence / "eval").glob("version_*.jsonl"))
+    results = [result_from_file(path) for path in paths]
     if len(results) < 2 or results[0].version != 0:
         raise ValueError(f"{evidence}: needs the evaluation before the first step and a later one, has "
                          f"{[result.version for result in results]}")
@@ -91,7 +108,7 @@ def summarize_seed(evidence: Path, min_gain: float) -> dict[str, Any]:
     trend = reward_trend(evidence)
     meets = change.gain >= min_gain and change.low > 0 and lowest.high >= 0
     return {
-        "heldout": [_evaluation(result) for result in results],
+        "heldout": [_evaluation(result, path) for result, path in zip(results, paths, strict=True)],
         "gain": round(change.gain, 4), "gain_low": round(change.low, 4), "gain_high": round(change.high, 4),
         "lowest_change": {"step": lowest.end.version, "gain": round(lowest.gain, 4),
                           "high": round(lowest.high, 4)},

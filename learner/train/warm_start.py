@@ -74,6 +74,11 @@ print(search([str(n) for n in {numbers}], {target}))
 for every puzzle but the last line, whose numbers and target are copied from the prompt."""
 
 
+def is_search_program(code: str) -> bool:
+    """Whether a tool call's code is (a copy, perhaps garbled, of) SEARCH_PROGRAM."""
+    return "def search(" in code
+
+
 def _python_print(expression: str) -> str:
     """What `print(expression)` shows for the solver's arithmetic (ints, + - * / and parentheses)."""
     tree = ast.parse(expression, mode="eval")

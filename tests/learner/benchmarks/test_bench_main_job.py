@@ -15,6 +15,7 @@ import yaml
 
 from configs.schema import MainJobBenchConfig
 from learner.benchmarks.main_job import TIMING_FILE, run_main_job_bench, summarize_main_job, summarize_seed
+from learner.train.warm_start import SEARCH_PROGRAM
 
 ROOT = Path(__file__).resolve().parents[3]
 COMMITTED = ROOT / "docs" / "results" / "main_job.json"
@@ -81,19 +82,23 @@ def test_each_seed_trains_once_keeps_its_evidence_and_is_summarized_from_it(
         run_main_job_bench(bench.model_copy(update={"run": False, "seeds": [3, 5]}), ROOT)
 
 
-def _eval_file(folder: Path, version: int, correct: list[bool]) -> None:
+def _eval_file(folder: Path, version: int, correct: list[bool], searched: int = 0) -> None:
+    """An evaluation file; the first `searched` episodes call the tool with the search program."""
     prompts = [str(i) for i in range(len(correct))]
     lines = [{"kind": "meta", "meta": {"kind": "heldout", "version": version, "k": 1, "prompts": prompts}}]
     lines += [{"kind": "sample", "sample_id": p, "index": 0, "is_correct": c, "extracted": "1 + 2",
-               "tool_calls": 1, "tool_errors": 0, "is_truncated": False, "response_tokens": 70}
-              for p, c in zip(prompts, correct, strict=True)]
+               "tool_calls": 1, "tool_errors": 0, "is_truncated": False, "response_tokens": 70,
+               "turns": [{"text": "…", "code": SEARCH_PROGRAM if i < searched else "print(1 + 2)"},
+                         {"text": "…"}]}
+              for i, (p, c) in enumerate(zip(prompts, correct, strict=True))]
     (folder / f"version_{version:06d}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
-def _evidence(folder: Path, evaluations: dict[int, list[bool]]) -> Path:
+def _evidence(folder: Path, evaluations: dict[int, list[bool]],
+              searched: dict[int, int] | None = None) -> Path:
     (folder / "eval").mkdir(parents=True)
     for version, correct in evaluations.items():
-        _eval_file(folder / "eval", version, correct)
+        _eval_file(folder / "eval", version, correct, (searched or {}).get(version, 0))
     (folder / "summary.json").write_text(json.dumps({"wall_s": 100.0, "phases_s": {"RL": 90.0},
                                                      "host": {"cpu": "test"}}))
     (folder / TIMING_FILE).write_text(json.dumps({"process_wall_s": 104.0}))
@@ -127,6 +132,17 @@ def test_the_gain_is_paired_by_prompt_and_a_significant_fall_fails_the_seed(tmp_
     assert not overall["every_seed_meets_target"] and overall["gain_mean"] == 0.225
     assert summarize_main_job(tmp_path, [1], 0.10)["every_seed_meets_target"]
     assert summarize_main_job(tmp_path, [3], 0.05)["every_seed_meets_target"] is False  # interval spans 0
+
+
+def test_each_evaluation_counts_the_episodes_that_searched_with_a_program_and_how_many_solved(
+        tmp_path: Path) -> None:
+    start = [True, True] + [False] * 18
+    end = [True] * 12 + [False] * 8
+    row = summarize_seed(_evidence(tmp_path / "seed_1", {0: start, 20: end}, searched={0: 3, 20: 15}), 0.10)
+    assert row["heldout"][0]["strategies"] == {"search_program": {"episodes": 3, "correct": 2},
+                                               "other": {"episodes": 17, "correct": 0}}
+    assert row["heldout"][1]["strategies"] == {"search_program": {"episodes": 15, "correct": 12},
+                                               "other": {"episodes": 5, "correct": 0}}
 
 
 @needs_the_committed_summary
