@@ -565,5 +565,6 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
     wall_s = time.perf_counter() - started
     eval_s = sum(result.seconds for result in evaluations)
     phases = {"RL": wall_s - eval_s, **({"held-out eval": eval_s} if evaluations else {})}
-    return TrainSummary(steps_done, rewards[:10], rewards[-10:], wall_s, run_dir,
+    block = min(10, max(1, len(rewards) // 2))  # a short run compares its halves, not itself with itself
+    return TrainSummary(steps_done, rewards[:block], rewards[-block:], wall_s, run_dir,
                         heldout=evaluations, heldout_change=change, phases=phases)

@@ -199,6 +199,7 @@ def test_the_terminal_shows_our_progress_and_the_libraries_go_to_the_run_log(tmp
                         f"memory allocator: {allocator}")
     assert lines[1] == "starting the rollout engine (hf), the learner and the tool sandbox", lines
     assert [line.split(" |")[0] for line in lines[2:]] == ["step 1/2 (50%)", "step 2/2 (100%)"], lines
+    assert "reward (mean of step means) first 1 steps" in result.stdout  # a short run: its two halves
     assert "Loading weights" in library_log.read_text()  # the model loads, at least twice (engine, learner)
     verbose = _vcpo("-v", "train", str(config), "trainer.total_steps=3")  # resumes at 2; -v: all here
     assert verbose.returncode == 0, verbose.stderr[-3000:]
