@@ -725,13 +725,17 @@ def test_the_task_doc_check_catches_missing_stale_and_wrong_rows() -> None:
 
 
 def test_the_results_pages_generated_tables_are_what_their_committed_data_gives(tmp_path: Path) -> None:
-    """docs/results.md's tables marked as generated are rendered from committed JSON
+    """The README's and docs/results.md's tables marked as generated are rendered from committed JSON
     (`python -m learner.benchmarks.results_page`); a figure edited by hand, or data changed without
     rerunning the renderer, fails here."""
     from learner.benchmarks import results_page
 
+    readme = (ROOT / "README.md").read_text()
+    assert results_page.blocks(readme) == ["main_job_readme"]
+    rendered, changed = results_page.render(readme)
+    assert not changed and rendered == readme, f"README.md: {changed} differ from their JSON; rerun it"
     text = (ROOT / "docs" / "results.md").read_text()
-    assert {"staleness_ten_seeds", "gpu_check_parts"} <= set(results_page.blocks(text))
+    assert {"staleness_ten_seeds", "gpu_check_parts", "main_job_seeds"} <= set(results_page.blocks(text))
     rendered, changed = results_page.render(text)
     assert not changed, f"docs/results.md: {changed} differ from their JSON; rerun the renderer"
     assert rendered == text

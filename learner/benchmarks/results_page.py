@@ -1,5 +1,5 @@
-"""The tables of docs/results.md that come from committed JSON, rendered from it, so a figure cannot drift
-from its data: each table sits between two markers naming its renderer and its file,
+"""The tables of docs/results.md and the README that come from committed JSON, rendered from it, so a figure
+cannot drift from its data: each table sits between two markers naming its renderer and its file,
 
     <!-- generated: staleness_ten_seeds from docs/results/staleness_10seeds.json -->
     | ... |
@@ -22,7 +22,8 @@ from typing import Any
 from learner.benchmarks.staleness import mean_ci_text
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGE = ROOT / "docs" / "results.md"
+PAGES = (ROOT / "docs" / "results.md", ROOT / "README.md")
+"""The pages with generated blocks."""
 
 _BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) from (?P<path>[\w./-]+) -->\n)(?P<body>.*?)"
                     r"(<!-- end generated -->)", re.DOTALL)
@@ -97,8 +98,57 @@ def gpu_check_parts(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _points(fraction: float) -> str:
+    return f"{100 * fraction:+.1f}"
+
+
+def main_job_seeds(data: dict[str, Any]) -> str:
+    """Per seed of `vcpo bench main_job`: every held-out evaluation with its interval, the paired start → end
+    change, how the episodes used the tool at the start and the end, the wall time by phase, the verdict."""
+    lines = ["| seed | held-out success by step (95% interval) | start → end, paired (95% interval) | "
+             "episodes running the search program: start → end (solved) | wall: all (warm start, RL, "
+             "evaluations) | ≥ 10 points, interval > 0, no fall |",
+             "| ---: | --- | --- | --- | --- | --- |"]
+    for seed, row in data["seeds"].items():
+        evals = " → ".join(f"{e['step']}: {100 * e['success']:.1f}% "
+                           f"({100 * e['low']:.1f}–{100 * e['high']:.1f})" for e in row["heldout"])
+        first, last = (e["strategies"]["search_program"] for e in (row["heldout"][0], row["heldout"][-1]))
+        total = row["heldout"][0]["strategies"]["search_program"]["episodes"] + \
+            row["heldout"][0]["strategies"]["other"]["episodes"]
+        phases = row["phases_s"]
+        wall = (f"{row['process_wall_s'] / 60:.1f} min ({phases.get('warm start', 0):.0f} s, "
+                f"{phases.get('RL', 0):.0f} s, {phases.get('held-out eval', 0):.0f} s)")
+        lines.append(f"| {seed} | {evals} | **{_points(row['gain'])}** ({_points(row['gain_low'])} to "
+                     f"{_points(row['gain_high'])}) | {first['episodes']}/{total} ({first['correct']}) → "
+                     f"{last['episodes']}/{total} ({last['correct']}) | {wall} | "
+                     f"{'yes' if row['meets_target'] else 'no'} |")
+    walls = max(row["process_wall_s"] for row in data["seeds"].values())
+    verdict = "yes" if data["every_seed_meets_target"] else "no"
+    lines.append(f"\nEvery seed meets the target: **{verdict}**; mean change {_points(data['gain_mean'])} "
+                 f"points; the longest run {walls / 60:.1f} min.")
+    return "\n".join(lines) + "\n"
+
+
+def main_job_readme(data: dict[str, Any]) -> str:
+    """The README's short form of `main_job_seeds`."""
+    lines = ["| seed | held-out success by step | start → end, paired (95% interval) | searching episodes, "
+             "start → end | wall |", "| ---: | --- | --- | --- | ---: |"]
+    for seed, row in data["seeds"].items():
+        evals = " → ".join(f"{100 * e['success']:.1f}%" for e in row["heldout"])
+        steps = ", ".join(str(e["step"]) for e in row["heldout"])
+        start, end = row["heldout"][0], row["heldout"][-1]
+        first, last = (e["strategies"]["search_program"]["episodes"] for e in (start, end))
+        lines.append(f"| {seed} | {evals} (steps {steps}) | {_points(row['gain'])} points "
+                     f"({_points(row['gain_low'])} to {_points(row['gain_high'])}) | {first} → {last} of "
+                     f"{start['prompts']} | "
+                     f"{row['process_wall_s'] / 60:.1f} min |")
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "main_job_readme": main_job_readme,
     "staleness_ten_seeds": staleness_ten_seeds,
+    "main_job_seeds": main_job_seeds,
     "gpu_check_parts": gpu_check_parts,
 }
 
@@ -110,7 +160,7 @@ def render(text: str, root: Path = ROOT) -> tuple[str, list[str]]:
     def fresh(match: re.Match[str]) -> str:
         name, path = match["name"], match["path"]
         if name not in RENDERERS:
-            raise ValueError(f"docs/results.md: no renderer {name!r}; known: {', '.join(sorted(RENDERERS))}")
+            raise ValueError(f"no renderer {name!r}; known: {', '.join(sorted(RENDERERS))}")
         body = RENDERERS[name](json.loads((root / path).read_text()))
         if body != match["body"]:
             changed.append(name)
@@ -128,18 +178,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only say which blocks differ from their data")
     args = parser.parse_args(argv)
-    text = PAGE.read_text()
-    new, changed = render(text)
-    if args.check:
-        if changed:
-            print(f"{PAGE}: out of date with its data: {', '.join(changed)}; run "
-                  "`python -m learner.benchmarks.results_page`", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(new)
-    print(f"{PAGE}: {len(blocks(new))} generated blocks, {len(changed)} rewritten "
-          f"({', '.join(changed) or 'none'})")
-    return 0
+    stale = False
+    for page in PAGES:
+        new, changed = render(page.read_text())
+        if args.check:
+            if changed:
+                print(f"{page}: out of date with its data: {', '.join(changed)}; run "
+                      "`python -m learner.benchmarks.results_page`", file=sys.stderr)
+                stale = True
+            continue
+        page.write_text(new)
+        print(f"{page}: {len(blocks(new))} generated blocks, {len(changed)} rewritten "
+              f"({', '.join(changed) or 'none'})")
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":
