@@ -743,5 +743,6 @@ def test_the_results_pages_generated_tables_are_what_their_committed_data_gives(
     data["retention"][0]["retention"] += 0.5
     (tmp_path / "docs" / "results").mkdir(parents=True)
     (tmp_path / "docs" / "results" / "staleness_10seeds.json").write_text(json.dumps(data))
-    shutil.copy(ROOT / "docs" / "results" / "gpu_check_h100.json", tmp_path / "docs" / "results")
+    for name in ("gpu_check_h100.json", "main_job.json"):
+        shutil.copy(ROOT / "docs" / "results" / name, tmp_path / "docs" / "results")
     assert results_page.render(text, root=tmp_path)[1] == ["staleness_ten_seeds"]

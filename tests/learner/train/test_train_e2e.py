@@ -299,6 +299,12 @@ def test_dynamic_sampling_trains_only_on_groups_with_signal(tmp_path: Path, tiny
     assert len(groups) == 6 and all(len(set(rewards)) > 1 for rewards in groups.values())
 
 
+def _ctrl_c_enabled() -> None:
+    """In the child: SIGINT handled as at a terminal, even when the suite itself was started in the background
+    by a shell without job control (which ignores SIGINT for it, and a child Python keeps it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_when(process: subprocess.Popen, seen: str, timeout: float = 300) -> tuple[list[str], float]:
     """Read the run's terminal lines until one contains `seen`, send Ctrl-C (SIGINT); return the lines
     read so far and the monotonic time of the signal."""
@@ -327,7 +333,8 @@ def test_ctrl_c_stops_the_warm_start_and_the_run_quickly_and_says_what_is_kept(t
     command = [sys.executable, "-m", "learner.cli", "train", str(config)]
     warm = ["warm_start.enabled=true", "warm_start.examples=64", "warm_start.epochs=50",
             "warm_start.batch_size=2", f"model.cache_dir={tmp_path / 'cache'}"]
-    process = subprocess.Popen([*command, *warm], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([*command, *warm], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_ctrl_c_enabled)
     _, sent = _interrupt_when(process, "[warm start] step 1/")
     _, rest = process.communicate(timeout=60)
     assert process.returncode == 130 and time.monotonic() - sent < 30, rest[-3000:]
@@ -335,7 +342,7 @@ def test_ctrl_c_stops_the_warm_start_and_the_run_quickly_and_says_what_is_kept(t
     assert not list((tmp_path / "cache" / "warm_start").glob("*/config.json"))  # nothing half-cached
 
     process = subprocess.Popen([*command, "trainer.total_steps=400"], cwd=ROOT, env=env,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_enabled)
     deadline = time.monotonic() + 300
     while latest_checkpoint(tmp_path / "run") is None and time.monotonic() < deadline:
         time.sleep(0.2)  # until step 2's checkpoint is whole
