@@ -102,6 +102,13 @@ def _points(fraction: float) -> str:
     return f"{100 * fraction:+.1f}"
 
 
+def _searched(evaluation: dict[str, Any]) -> tuple[int, int, int]:
+    """(episodes running the search program, how many of them solved, episodes in all) of one evaluation."""
+    strategies = evaluation["strategies"]
+    total = sum(row["episodes"] for row in strategies.values())
+    return strategies["search_program"]["episodes"], strategies["search_program"]["correct"], total
+
+
 def main_job_seeds(data: dict[str, Any]) -> str:
     """Per seed of `vcpo bench main_job`: every held-out evaluation with its interval, the paired start → end
     change, how the episodes used the tool at the start and the end, the wall time by phase, the verdict."""
@@ -112,15 +119,14 @@ def main_job_seeds(data: dict[str, Any]) -> str:
     for seed, row in data["seeds"].items():
         evals = " → ".join(f"{e['step']}: {100 * e['success']:.1f}% "
                            f"({100 * e['low']:.1f}–{100 * e['high']:.1f})" for e in row["heldout"])
-        first, last = (e["strategies"]["search_program"] for e in (row["heldout"][0], row["heldout"][-1]))
-        total = row["heldout"][0]["strategies"]["search_program"]["episodes"] + \
-            row["heldout"][0]["strategies"]["other"]["episodes"]
+        first, first_solved, total = _searched(row["heldout"][0])
+        last, last_solved, _ = _searched(row["heldout"][-1])
         phases = row["phases_s"]
         wall = (f"{row['process_wall_s'] / 60:.1f} min ({phases.get('warm start', 0):.0f} s, "
                 f"{phases.get('RL', 0):.0f} s, {phases.get('held-out eval', 0):.0f} s)")
         lines.append(f"| {seed} | {evals} | **{_points(row['gain'])}** ({_points(row['gain_low'])} to "
-                     f"{_points(row['gain_high'])}) | {first['episodes']}/{total} ({first['correct']}) → "
-                     f"{last['episodes']}/{total} ({last['correct']}) | {wall} | "
+                     f"{_points(row['gain_high'])}) | {first}/{total} ({first_solved}) → "
+                     f"{last}/{total} ({last_solved}) | {wall} | "
                      f"{'yes' if row['meets_target'] else 'no'} |")
     walls = max(row["process_wall_s"] for row in data["seeds"].values())
     verdict = "yes" if data["every_seed_meets_target"] else "no"
@@ -136,19 +142,17 @@ def main_job_readme(data: dict[str, Any]) -> str:
     for seed, row in data["seeds"].items():
         evals = " → ".join(f"{100 * e['success']:.1f}%" for e in row["heldout"])
         steps = ", ".join(str(e["step"]) for e in row["heldout"])
-        start, end = row["heldout"][0], row["heldout"][-1]
-        first, last = (e["strategies"]["search_program"]["episodes"] for e in (start, end))
+        (first, _, total), (last, _, _) = map(_searched, (row["heldout"][0], row["heldout"][-1]))
         lines.append(f"| {seed} | {evals} (steps {steps}) | {_points(row['gain'])} points "
                      f"({_points(row['gain_low'])} to {_points(row['gain_high'])}) | {first} → {last} of "
-                     f"{start['prompts']} | "
-                     f"{row['process_wall_s'] / 60:.1f} min |")
+                     f"{total} | {row['process_wall_s'] / 60:.1f} min |")
     return "\n".join(lines) + "\n"
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
-    "main_job_readme": main_job_readme,
     "staleness_ten_seeds": staleness_ten_seeds,
     "main_job_seeds": main_job_seeds,
+    "main_job_readme": main_job_readme,
     "gpu_check_parts": gpu_check_parts,
 }
 
