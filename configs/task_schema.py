@@ -6,7 +6,7 @@ to know about one problem set. Rows of the dataset become `agent_env.samples.Sam
 
 Checked here, at load time: placeholders exist, regexes compile with one group, a custom reward
 names its function, dataset paths use only the `{data_dir}` placeholder. Not checked here (this
-module imports only pydantic): the tool spec (`learner.cli.config_catalog` validates it with
+module imports only pydantic): the tool spec (`cli.config_catalog` validates it with
 `tools.registry.validate_tool_settings`), whether files exist, whether a custom reward imports.
 """
 

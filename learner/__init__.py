@@ -1,5 +1,6 @@
-"""The learner side and the composition root (the only place that reads config files and wires
-objects), in subpackages by concern, each importing only those listed before it:
+"""The learner side and the composition root (it wires a run's objects from its config; the `vcpo`
+command above it, in `cli/`, reads the files), in subpackages by concern, each importing only those
+listed before it:
 
 * `observability/` — metric names, metrics.jsonl / TensorBoard / W&B, the progress line, plot, trend
 * `forward/` — packing trajectories into rows, varlen attention, target log-probs
@@ -9,7 +10,6 @@ objects), in subpackages by concern, each importing only those listed before it:
 * `train/` — wiring a run, the step loop, checkpoints, warm start
 * `launch/` — one run locally or across Ray (the driver and its actors)
 * `benchmarks/` — `vcpo bench async | learner | opob | staleness`
-* `cli/` — the `vcpo` command
 
 May import: `vcpo`, `rollout`, `tools`, `agent_env`, `configs`. tests/test_architecture.py enforces
 the direction, reading each package's own list.

@@ -45,7 +45,7 @@ KEYS = ("step", "train", "generate", "cpu")
 
 def _run(tree: Path, run_dir: Path, model: str, steps: int, extra: list[str]) -> dict[str, list[float]]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    command = [str(PYTHON), "-m", "learner.cli", "train", str(tree / "configs" / "default.yaml"),
+    command = [str(PYTHON), "-m", "cli", "train", str(tree / "configs" / "default.yaml"),
                f"run_dir={run_dir}", f"model.path={model}", "warm_start.enabled=false",
                f"trainer.total_steps={steps}", "--no-progress", *extra]
     subprocess.run(command, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)

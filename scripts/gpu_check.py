@@ -41,7 +41,7 @@ class Part:
 
 
 def _vcpo(*args: str) -> list[str]:
-    return [sys.executable, "-m", "learner.cli", *args]
+    return [sys.executable, "-m", "cli", *args]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 echo "$REPO" > "$SITE/_vcpo_repo.pth"
 "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
   "$WHEELS"/*.whl >>"$LOG" 2>&1 || { say "installing the carried wheels failed (see $LOG)"; exit 2; }
-printf '#!/bin/sh\nexec "%s" -m learner.cli "$@"\n' "$VENV/bin/python" > "$VENV/bin/vcpo"
+printf '#!/bin/sh\nexec "%s" -m cli "$@"\n' "$VENV/bin/python" > "$VENV/bin/vcpo"
 chmod +x "$VENV/bin/vcpo"
 export PATH=$VENV/bin:$PATH
 

@@ -92,7 +92,7 @@ def _engine_summary(records: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def _child(args: argparse.Namespace, out: Path) -> int:
-    from learner.cli.main import main
+    from cli.main import main
 
     records: list[dict[str, float]] = []
     _patch_learner(args.sleep)

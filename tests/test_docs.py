@@ -8,7 +8,7 @@ Every user-facing doc (README.md, docs/*.md, examples/**/README.md):
   file the repo does not have);
 * spells every `vcpo …` command as the real CLI parses it: a real subcommand, real choices
   (`vcpo bench NAME`, `vcpo config check`), options that subcommand's argparse parser accepts (the
-  parser is built by `learner.cli.main._build_parser`, not copied here), and `a.b.c=value` overrides
+  parser is built by `cli.main._build_parser`, not copied here), and `a.b.c=value` overrides
   that name real fields of the config they apply to.
 
 docs/README.md indexes every page of docs/. docs/task_yaml.md documents every field of `TaskConfig`
@@ -316,7 +316,7 @@ def vcpo_commands(text: str) -> list[DocCommand]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from learner.cli.main import _build_parser
+    from cli.main import _build_parser
 
     return _build_parser()
 
@@ -418,9 +418,9 @@ def _resolve(spec: str, beside: Path) -> Path:
 
 def override_problems(command: DocCommand) -> list[str]:
     """Load the config `command` applies its a.b.c=value overrides to, as the CLI would."""
+    from cli.config_catalog import bench_schema_of
     from configs.loader import ConfigError, apply_overrides, load_config, read_yaml_tree, validate_config
     from configs.schema import RunConfig
-    from learner.cli.config_catalog import bench_schema_of
     from tools.base import ToolConfigError
 
     sub, args = command.subcommand, command.positionals
@@ -633,7 +633,7 @@ def test_task_yaml_documents_every_schema_and_tool_field_with_its_default() -> N
 
 
 def test_the_task_yaml_example_validates(tmp_path: Path) -> None:
-    from learner.cli.config_catalog import check_task_config
+    from cli.config_catalog import check_task_config
 
     blocks = [b for b in parse_markdown(TASK_DOC.read_text()).blocks if re.search(r"^name:", b, re.M)]
     assert blocks, "docs/task_yaml.md has no complete example (a yaml block with name:)"

@@ -14,9 +14,9 @@ from types import ModuleType
 
 import pytest
 
+from cli.config_catalog import bench_schema_of
 from configs.loader import load_config
 from configs.schema import RunConfig
-from learner.cli.config_catalog import bench_schema_of
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
@@ -33,8 +33,8 @@ def gpu_check() -> ModuleType:
 
 
 def _config_and_overrides(argv: list[str]) -> tuple[str, Path, list[str]]:
-    """(command, config file, overrides) of a `python -m learner.cli train|bench ...` command line."""
-    args = argv[argv.index("learner.cli") + 1:]
+    """(command, config file, overrides) of a `python -m cli train|bench ...` command line."""
+    args = argv[argv.index("cli") + 1:]
     if "--out" in args:
         at = args.index("--out")
         del args[at:at + 2]
@@ -50,7 +50,7 @@ def test_every_part_command_is_a_valid_config(gpu_check: ModuleType, tmp_path: P
     checked = []
     for part in gpu_check.PARTS:
         argv = part.argv(tmp_path, rehearse)
-        if "learner.cli" not in argv:
+        if "cli" not in argv:
             continue
         command, config, overrides = _config_and_overrides(argv)
         schema = RunConfig if command == "train" else bench_schema_of(config)

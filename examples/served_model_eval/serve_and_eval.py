@@ -184,7 +184,7 @@ class VLLMServer:
 def eval_command(task: str | Path, url: str, served_name: str, model: str, limit: int | None,
                  extra: Sequence[str] = (), python: str = sys.executable) -> list[str]:
     """`vcpo eval` of `task` against the server at `url`, tokenizer from `model`."""
-    command = [python, "-m", "learner.cli", "eval", str(task), "--backend", "openai", "--url", url,
+    command = [python, "-m", "cli", "eval", str(task), "--backend", "openai", "--url", url,
                "--served-model", served_name, "--model", model]
     if limit is not None:
         command += ["--limit", str(limit)]

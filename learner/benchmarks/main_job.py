@@ -46,7 +46,7 @@ def run_main_job_bench(bench: MainJobBenchConfig, repo_root: Path,
             raise FileNotFoundError(f"{evidence} has no finished run of seed {seed}; run the bench with "
                                     "run=true, or drop the seed from `seeds`")
         run_dir = repo_root / bench.runs_dir / f"seed_{seed}"
-        command = [sys.executable, "-m", "learner.cli", "train", str(repo_root / bench.config),
+        command = [sys.executable, "-m", "cli", "train", str(repo_root / bench.config),
                    f"seed={seed}", f"run_dir={run_dir}", *bench.overrides]
         progress(f"[main_job] seed {seed}: {' '.join(command[3:])}")
         started = time.perf_counter()

@@ -83,7 +83,7 @@ def memorised_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _eval(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "learner.cli", "eval", *args, "--no-progress"], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "cli", "eval", *args, "--no-progress"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -134,7 +134,7 @@ async def test_vcpo_eval_through_an_openai_compatible_url(tmp_path: Path, memori
 
     from transformers import AutoTokenizer
 
-    from learner.cli import main
+    from cli import main
     from rollout.engines.hf_engine import HFEngine
     from tests.rollout.standin_servers import OpenAIStandin, serve
 
@@ -165,7 +165,7 @@ async def test_vcpo_eval_sends_the_served_name_and_reads_the_tokenizer_from_mode
 
     from transformers import AutoTokenizer
 
-    from learner.cli import main
+    from cli import main
     from rollout.engines.hf_engine import HFEngine
     from tests.rollout.standin_servers import OpenAIStandin, serve
 
@@ -190,7 +190,7 @@ async def test_vcpo_eval_sends_the_served_name_and_reads_the_tokenizer_from_mode
 
 
 def test_choose_served_model() -> None:
-    from learner.cli.eval_command import EvalArgumentError, choose_served_model
+    from cli.eval_command import EvalArgumentError, choose_served_model
 
     assert choose_served_model(["smol"], "default", "http://h/v1") == "smol"  # the only one, whatever --model
     assert choose_served_model(["a", "b"], "b", "http://h/v1") == "b"  # the one equal to --model
@@ -201,7 +201,7 @@ def test_choose_served_model() -> None:
 async def _eval_in_process(*args: str) -> int:
     import asyncio
 
-    from learner.cli import main
+    from cli import main
 
     return await asyncio.to_thread(main, ["eval", *args, "--no-progress"])
 

@@ -16,8 +16,8 @@ from agent_env.countdown import score_expression, solve
 from agent_env.datasets import load_samples
 from agent_env.rewards import build_reward, gsm8k_gold_number, math_answers_match
 from agent_env.samples import Sample
+from cli.config_catalog import CONFIG_ROOT
 from configs.task_schema import AnswerConfig, RewardConfig, load_task_config
-from learner.cli.config_catalog import CONFIG_ROOT
 
 TASKS = sorted((CONFIG_ROOT / "tasks").glob("*.yaml"))
 

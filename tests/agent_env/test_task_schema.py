@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from cli.config_catalog import CONFIG_ROOT, check_task_config, shipped_config_files
 from configs import task_schema
 from configs.loader import ConfigError
 from configs.task_schema import TaskConfig, load_task_config, template_placeholders
-from learner.cli.config_catalog import CONFIG_ROOT, check_task_config, shipped_config_files
 
 TASKS_DIR = CONFIG_ROOT / "tasks"
 SHIPPED_TASKS = sorted(TASKS_DIR.glob("*.yaml"))

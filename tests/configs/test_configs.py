@@ -9,10 +9,10 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from cli.config_catalog import shipped_config_files, validate_shipped_file
 from configs import schema as schema_module
 from configs.loader import ConfigError, load_config, write_resolved_config
 from configs.schema import AlgoConfig, RunConfig
-from learner.cli.config_catalog import shipped_config_files, validate_shipped_file
 from vcpo.registry import OBJECTIVES
 
 
@@ -173,7 +173,7 @@ def test_an_override_that_changes_a_tagged_sections_type_replaces_it(tmp_path: P
 
 
 def test_a_broken_shipped_tool_spec_is_reported_with_its_file(tmp_path: Path) -> None:
-    from learner.cli import config_catalog
+    from cli import config_catalog
 
     folder = tmp_path / "tools"
     folder.mkdir()

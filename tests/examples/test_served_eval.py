@@ -159,11 +159,11 @@ def test_vcpo_eval_runs_the_tool_loop_through_vllms_own_server(
 
     # a rerun on the same file resumes: every sample is there, so nothing is requested again (in-process:
     # the subprocess above already showed the command as a user runs it)
-    from learner.cli import main
+    from cli import main
 
     command = example.eval_command(task, url, SERVED, str(model_dir), None, ["--out", str(out),
                                                                               "--no-progress"])
-    assert command[1:4] == ["-m", "learner.cli", "eval"]
+    assert command[1:4] == ["-m", "cli", "eval"]
     assert main(command[3:]) == 0 and out.read_text() == written
     assert _wait_for_count(log, before + 5, timeout_s=2) == before + 4
 
@@ -186,7 +186,7 @@ def test_an_episode_budget_beyond_the_servers_context_is_refused_before_any_requ
 ) -> None:
     """vLLM would answer HTTP 400 (max_tokens > max_model_len) on the first long turn; /v1/models says
     the context, so the command stops first and says both fixes."""
-    from learner.cli import main
+    from cli import main
 
     url, log = server
     before = _completions_served(log)

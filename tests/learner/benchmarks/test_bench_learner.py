@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli import main
 from configs.schema import LearnerBenchConfig
 from learner.benchmarks.learner_step import BenchBatch, BenchShape, bench_learner, random_batch
-from learner.cli import main
 from learner.forward.fused_layers import compiler_problem
 
 TINY = BenchShape(kind="qwen2", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -158,7 +158,7 @@ def test_the_committed_main_job_summary_is_what_its_evidence_gives() -> None:
 def test_the_bench_command_summarizes_without_running() -> None:
     """The README's command, with run=false: no training, the committed summary on stdout."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "learner.cli", "bench", "main_job", "run=false"], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "cli", "bench", "main_job", "run=false"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout) == json.loads(COMMITTED.read_text())

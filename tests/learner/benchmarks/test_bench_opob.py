@@ -6,9 +6,9 @@ import json
 import math
 from pathlib import Path
 
+from cli import main
 from configs.schema import OpobBenchConfig
 from learner.benchmarks.opob_step import run_opob_bench
-from learner.cli import main
 
 
 def test_opob_bench_reports_every_step_and_ratio(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from learner.cli import main
+from cli import main
 from learner.observability import metric_names as names
 from learner.observability.metrics_log import METRICS_FILE, MetricsFileError, MetricsLogger
 from learner.observability.plot import _moving_average, plot_run

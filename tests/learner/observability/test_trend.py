@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from learner.cli import main
+from cli import main
 from learner.observability import metric_names as names
 from learner.observability.trend import (
     LearningSignal,

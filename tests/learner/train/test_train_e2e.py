@@ -77,7 +77,7 @@ def _write_configs(tmp_path: Path, model_dir: Path, *, max_lag: int, steps: int,
 
 def _vcpo(*args: str, timeout: float = 500) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "learner.cli", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -118,7 +118,7 @@ def test_train_runs_logs_every_metric_and_respects_the_lag_bound(tmp_path: Path,
 def test_sigkill_then_resume_loses_no_group_and_uses_none_twice(tmp_path: Path, tiny_model_dir: Path) -> None:
     config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=6)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-m", "learner.cli", "train", str(config), "--no-progress"],
+    process = subprocess.Popen([sys.executable, "-m", "cli", "train", str(config), "--no-progress"],
                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     run_dir = tmp_path / "run"
     deadline = time.monotonic() + 400
@@ -330,7 +330,7 @@ def test_ctrl_c_stops_the_warm_start_and_the_run_quickly_and_says_what_is_kept(t
     checkpoint the run ends within seconds, names the checkpoint, and the same command resumes."""
     config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=400, tool=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "learner.cli", "train", str(config)]
+    command = [sys.executable, "-m", "cli", "train", str(config)]
     warm = ["warm_start.enabled=true", "warm_start.examples=64", "warm_start.epochs=50",
             "warm_start.batch_size=2", f"model.cache_dir={tmp_path / 'cache'}"]
     process = subprocess.Popen([*command, *warm], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,

@@ -242,7 +242,7 @@ def _vcpo_eval_runs(tmp_path: Path, tokenizer_dir: Path, url: str) -> list[subpr
             "reward": {"type": "math_verify"}, "eval": {"k": 2, "max_turns": 0, "temperature": 0.7}}
     (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    common = [sys.executable, "-m", "learner.cli", "eval", str(tmp_path / "task.yaml"), "--backend", "openai",
+    common = [sys.executable, "-m", "cli", "eval", str(tmp_path / "task.yaml"), "--backend", "openai",
               "--url", url, "--model", str(tokenizer_dir), "--no-progress"]
     runs = [[*common, "--out", str(tmp_path / "detected.jsonl")],
             [*common, "--served-model", "smollm2", "--out", str(tmp_path / "named.jsonl")],

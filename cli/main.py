@@ -169,9 +169,9 @@ def _cache_dir() -> Path:
 def _config_check(args: argparse.Namespace) -> int:
     import yaml
 
+    from cli.config_catalog import bench_schema_of
     from configs.loader import load_config, read_yaml_tree
     from configs.schema import RunConfig
-    from learner.cli.config_catalog import bench_schema_of
     from learner.train.compose import engine_settings, load_task
 
     raw = read_yaml_tree(args.file)
@@ -362,7 +362,7 @@ def _interrupted_message(config: Any, task: Any, run_dir: Path, cache_dir: Path)
 def _eval(args: argparse.Namespace) -> int:
     import asyncio
 
-    from learner.cli.eval_command import run_evaluation
+    from cli.eval_command import run_evaluation
 
     return asyncio.run(run_evaluation(args, _cache_dir()))
 

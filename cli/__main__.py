@@ -1,0 +1,7 @@
+"""`python -m cli` is `vcpo`."""
+
+import sys
+
+from cli import console
+
+sys.exit(console())
