@@ -2,9 +2,9 @@
 catalogue of shipped YAML files (`config_catalog`) and `vcpo eval` (`eval_command`); `console` is the
 installed script, which first picks the memory allocator (`learner.launch.allocator`).
 
-May import: `vcpo`, `configs`, `tools`, `rollout`, `agent_env`, `learner` — it is the top of the composition
-root, the one layer that may reach every other; subcommands import lazily so the command's help stays
-instant.
+May import: `vcpo`, `configs`, `tools`, `rollout`, `agent_env`, `learner`, `benchmarks` — it is the top of
+the composition root, the one layer that may reach every other; subcommands import lazily so the
+command's help stays instant.
 """
 
 from cli.main import main

@@ -1,7 +1,8 @@
 """Which schema validates which shipped YAML file, for `vcpo config check` and the tests.
 
 Lives in the composition layer because it joins schemas from several layers (run configs from
-`configs/`, tool specs from `tools/`, rewards from `agent_env/`); `configs/` itself stays pydantic-only.
+`configs/`, benchmark configs from `benchmarks/`, tool specs from `tools/`, rewards from `agent_env/`);
+`configs/` itself stays pydantic-only.
 """
 
 from __future__ import annotations
@@ -11,17 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import configs
-from configs.loader import ConfigError, load_config, read_yaml_tree
-from configs.schema import (
+from benchmarks import BENCH_CONFIG_ROOT
+from benchmarks.schema import (
     AsyncBenchConfig,
     EngineBenchConfig,
     LearnerBenchConfig,
     MainJobBenchConfig,
     OpobBenchConfig,
-    RunConfig,
     SandboxBenchConfig,
     StalenessBenchConfig,
 )
+from configs.loader import ConfigError, load_config, read_yaml_tree
+from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
 from tools.base import ToolConfigError
 from tools.registry import validate_tool_settings
@@ -41,7 +43,12 @@ BENCH_SCHEMAS: dict[str, type] = {"opob": OpobBenchConfig, "async": AsyncBenchCo
                                    "engine": EngineBenchConfig, "sandbox": SandboxBenchConfig,
                                    "staleness": StalenessBenchConfig, "learner": LearnerBenchConfig,
                                    "main_job": MainJobBenchConfig}
-"""configs/bench/<name>.yaml (or a preset <name>_<variant>.yaml) → the schema of `vcpo bench <name>`."""
+"""benchmarks/configs/<name>.yaml (or a preset <name>_<variant>.yaml) → the schema of `vcpo bench <name>`."""
+
+
+def is_bench_config(path: Path) -> bool:
+    """Whether `path` is one of the shipped benchmark configs (benchmarks/configs/), with a known schema."""
+    return Path(path).resolve().parent == BENCH_CONFIG_ROOT and bench_schema_of(Path(path)) is not None
 
 
 def bench_schema_of(path: Path) -> type | None:
@@ -60,7 +67,6 @@ def check_task_config(path: str | Path, overrides: Sequence[str] = ()) -> TaskCo
 
 
 _VALIDATORS: dict[str, Callable[[Path], Any]] = {
-    "bench": lambda path: load_config(path, bench_schema_of(path) or OpobBenchConfig),
     "sandbox": lambda path: load_config(path, SandboxServerSettings),
     "tasks": check_task_config,
     "tools": _tool_spec,
@@ -85,12 +91,19 @@ def check_run_config(path: Path) -> RunConfig:
 
 
 def validate_shipped_file(path: Path) -> Any:
-    """Validate a YAML file under configs/ with the schema of its first sub-folder (else a run)."""
+    """Validate a shipped YAML file: a benchmark's with its bench schema, one under configs/ with the schema
+    of its first sub-folder (else a run)."""
+    if Path(path).resolve().parent == BENCH_CONFIG_ROOT:
+        schema = bench_schema_of(Path(path))
+        if schema is None:
+            raise ConfigError(str(path), [f"no `vcpo bench` is named like this file; name it after one of "
+                                          f"{sorted(BENCH_SCHEMAS)} (or <name>_<variant>.yaml)"])
+        return load_config(path, schema)
     relative = Path(path).resolve().relative_to(CONFIG_ROOT)
     folder = relative.parts[0] if len(relative.parts) > 1 else ""
     return _VALIDATORS.get(folder, check_run_config)(path)
 
 
 def shipped_config_files() -> list[Path]:
-    """Every YAML file shipped under configs/."""
-    return sorted(p for p in CONFIG_ROOT.rglob("*.yaml") if p.is_file())
+    """Every YAML file shipped under configs/ and benchmarks/configs/."""
+    return sorted(p for root in (CONFIG_ROOT, BENCH_CONFIG_ROOT) for p in root.rglob("*.yaml") if p.is_file())

@@ -169,7 +169,7 @@ def _cache_dir() -> Path:
 def _config_check(args: argparse.Namespace) -> int:
     import yaml
 
-    from cli.config_catalog import bench_schema_of
+    from cli.config_catalog import bench_schema_of, is_bench_config
     from configs.loader import load_config, read_yaml_tree
     from configs.schema import RunConfig
     from learner.train.compose import engine_settings, load_task
@@ -177,7 +177,7 @@ def _config_check(args: argparse.Namespace) -> int:
     raw = read_yaml_tree(args.file)
     if isinstance(raw, dict) and "prompt" in raw and "reward" in raw:  # a task file
         config, _ = load_task(args.file, args.overrides)
-    elif args.file.parent.name == "bench" and bench_schema_of(args.file) is not None:  # configs/bench/*.yaml
+    elif is_bench_config(args.file):  # benchmarks/configs/*.yaml
         config = load_config(args.file, bench_schema_of(args.file), args.overrides)
     else:  # a run config: its task and engine sections are checked too
         config = load_config(args.file, RunConfig, args.overrides)
@@ -206,22 +206,22 @@ def _bench_config(args: argparse.Namespace, schema: type[T]) -> T:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from configs.schema import EngineBenchConfig, OpobBenchConfig, SandboxBenchConfig
+    from benchmarks.schema import EngineBenchConfig, OpobBenchConfig, SandboxBenchConfig
 
     result: dict[str, Any]
     if args.name == "opob":
-        from learner.benchmarks.opob_step import run_opob_bench
+        from benchmarks.opob_step import run_opob_bench
 
         config = _bench_config(args, OpobBenchConfig)
         _set_threads()
         result = run_opob_bench(config, cache_dir=_cache_dir(), progress=_progress)
     elif args.name == "async":
-        from configs.schema import AsyncBenchConfig
-        from learner.benchmarks.asynchrony import run_async_bench
+        from benchmarks.asynchrony import run_async_bench
+        from benchmarks.schema import AsyncBenchConfig
 
         result = run_async_bench(_bench_config(args, AsyncBenchConfig), _cache_dir(), progress=_progress)
     elif args.name == "engine":
-        from rollout.bench.engine import run_engine_bench
+        from benchmarks.engine import run_engine_bench
 
         engine = _bench_config(args, EngineBenchConfig)
         result = run_engine_bench(engine.model, _cache_dir(), concurrencies=tuple(engine.concurrencies),
@@ -229,30 +229,31 @@ def _bench(args: argparse.Namespace) -> int:
                                   min_requests=engine.min_requests, rounds=engine.rounds, dtype=engine.dtype,
                                   vllm_use_eager=engine.vllm_use_eager, progress=_progress)
     elif args.name == "learner":
-        from configs.schema import LearnerBenchConfig
-        from learner.benchmarks.learner_step import run_learner_bench
+        from benchmarks.learner_step import run_learner_bench
+        from benchmarks.schema import LearnerBenchConfig
 
         _set_threads()
         result = run_learner_bench(_bench_config(args, LearnerBenchConfig))
     elif args.name == "staleness":
-        from configs.schema import StalenessBenchConfig
-        from learner.benchmarks.staleness import run_staleness_bench
-        from learner.train.compose import PACKAGE_ROOT
+        from benchmarks import BENCH_CONFIG_ROOT
+        from benchmarks.schema import StalenessBenchConfig
+        from benchmarks.staleness import run_staleness_bench
 
         if args.config is None:  # the methods and their lrs live in the shipped file
-            args.config = PACKAGE_ROOT / "configs" / "bench" / "staleness.yaml"
+            args.config = BENCH_CONFIG_ROOT / "staleness.yaml"
         result = run_staleness_bench(_bench_config(args, StalenessBenchConfig), progress=_progress)
         print(Path(result["config"]["run_root"], "summary.md").read_text(), file=sys.stderr)
     elif args.name == "main_job":
-        from configs.schema import MainJobBenchConfig
-        from learner.benchmarks.main_job import run_main_job_bench
+        from benchmarks import BENCH_CONFIG_ROOT
+        from benchmarks.main_job import run_main_job_bench
+        from benchmarks.schema import MainJobBenchConfig
         from learner.train.compose import PACKAGE_ROOT
 
         if args.config is None:  # the seeds and the settings of the claim live in the shipped file
-            args.config = PACKAGE_ROOT / "configs" / "bench" / "main_job.yaml"
+            args.config = BENCH_CONFIG_ROOT / "main_job.yaml"
         result = run_main_job_bench(_bench_config(args, MainJobBenchConfig), PACKAGE_ROOT, progress=_progress)
     else:
-        from tools.sandbox.bench import run_sandbox_bench
+        from benchmarks.sandbox import run_sandbox_bench
 
         bench = _bench_config(args, SandboxBenchConfig)
         result = run_sandbox_bench(num_calls=bench.num_calls, concurrencies=tuple(bench.concurrencies))

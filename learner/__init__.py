@@ -9,7 +9,6 @@ listed before it:
 * `backends/` — the torch learner and the objective mapping; `backends/megatron/` — megatron-core
 * `train/` — wiring a run, the step loop, checkpoints, warm start
 * `launch/` — one run locally or across Ray (the driver and its actors)
-* `benchmarks/` — `vcpo bench async | learner | opob | staleness`
 
 May import: `vcpo`, `rollout`, `tools`, `agent_env`, `configs`. tests/test_architecture.py enforces
 the direction, reading each package's own list.
@@ -39,9 +38,6 @@ _EXPORTS = {
     "reference_opob_gradient": "learner.traj_grads.reference",
     "MegatronLearner": "learner.backends.megatron.learner",
     "init_model_parallel": "learner.backends.megatron.learner",
-    "bench_learner": "learner.benchmarks.learner_step",
-    "synthetic_microbatches": "learner.benchmarks.grad_paths",
-    "time_grad_paths": "learner.benchmarks.grad_paths",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -52,7 +52,7 @@ def env_probe(rehearse: bool) -> dict[str, Any]:
     import torch
     import transformers
 
-    from learner.benchmarks.learner_step import matmul_peak_gflops
+    from benchmarks.learner_step import matmul_peak_gflops
 
     device = "cuda" if torch.cuda.is_available() and not rehearse else "cpu"
     info: dict[str, Any] = {
@@ -170,7 +170,7 @@ def _train_argv(name: str, extra: list[str], rehearse_steps: int) -> Callable[[P
 def _learner_argv(dtype: str, backends: str, name: str) -> Callable[[Path, bool], list[str]]:
     def argv(work: Path, rehearse: bool) -> list[str]:
         sizes = _TINY_LEARNER if rehearse else ["peak_gemm_size=8192"]
-        return _vcpo("bench", "learner", "--config", "configs/bench/learner.yaml",
+        return _vcpo("bench", "learner", "--config", "benchmarks/configs/learner.yaml",
                      f"device={'cpu' if rehearse else 'cuda'}", f"dtype={dtype}", f"backends={backends}",
                      *sizes, "--out", str(work / f"{name}.json"))
     return argv
@@ -179,7 +179,7 @@ def _learner_argv(dtype: str, backends: str, name: str) -> Callable[[Path, bool]
 def _opob_argv(dtype: str) -> Callable[[Path, bool], list[str]]:
     def argv(work: Path, rehearse: bool) -> list[str]:
         sizes = ["model=tiny", "lengths=[64]", "repeats=1"] if rehearse else []
-        return _vcpo("bench", "opob", "--config", "configs/bench/opob.yaml",
+        return _vcpo("bench", "opob", "--config", "benchmarks/configs/opob.yaml",
                      f"device={'cpu' if rehearse else 'cuda'}", f"dtype={dtype}", *sizes,
                      "--out", str(work / f"opob_{dtype}.json"))
     return argv
@@ -198,7 +198,7 @@ def _pytest_argv(work: Path, rehearse: bool) -> list[str]:
 
 def _staleness_argv(work: Path, rehearse: bool) -> list[str]:
     sizes = ["steps=20", "lags=[0,4]"] if rehearse else ["lags=[0,16]"]
-    return _vcpo("bench", "staleness", "--config", "configs/bench/staleness_tiny.yaml",
+    return _vcpo("bench", "staleness", "--config", "benchmarks/configs/staleness_tiny.yaml",
                  f"device={'cpu' if rehearse else 'cuda'}", "only=[grpo,vcpo]", "seeds=[0]", *sizes,
                  f"run_root={work / 'staleness_root'}", f"results_dir={work / 'staleness_runs'}",
                  "--out", str(work / "staleness.json"))

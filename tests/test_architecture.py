@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT = {"vcpo", "tools", "rollout", "agent_env", "learner", "configs", "cli"}
+PROJECT = {"vcpo", "tools", "rollout", "agent_env", "learner", "configs", "benchmarks", "cli"}
 _NAME = re.compile(r"`([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)`")
 
 
@@ -87,7 +87,8 @@ def test_the_rules_read_from_the_docstrings_are_the_layering() -> None:
     layering = {"vcpo": set(), "configs": set(), "tools": {"vcpo"}, "rollout": {"vcpo"},
                 "agent_env": {"vcpo", "rollout", "tools", "configs"},
                 "learner": {"vcpo", "rollout", "tools", "agent_env", "configs"},
-                "cli": {"vcpo", "rollout", "tools", "agent_env", "configs", "learner"}}
+                "benchmarks": {"vcpo", "rollout", "tools", "agent_env", "configs", "learner"},
+                "cli": {"vcpo", "rollout", "tools", "agent_env", "configs", "learner", "benchmarks"}}
     assert layering == ALLOWED
     assert UNITS["learner"]["forward"] == set() and UNITS["learner"]["traj_grads"] == {"forward"}
     assert set(UNITS) == {"learner", "rollout", "tools", "vcpo"}

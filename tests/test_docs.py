@@ -36,7 +36,8 @@ from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
 ROOT = Path(__file__).resolve().parents[1]
-REPO_DIRS = (".ci", "agent_env", "configs", "docs", "learner", "rollout", "scripts", "tests", "tools", "vcpo")
+REPO_DIRS = (".ci", "agent_env", "benchmarks", "cli", "configs", "docs", "learner", "rollout", "scripts",
+             "tests", "tools", "vcpo")
 """The repo's top-level folders: a path in code that starts with one of them names a repo file."""
 REPO_FILES = ("README.md", "pyproject.toml")
 
@@ -418,7 +419,7 @@ def _resolve(spec: str, beside: Path) -> Path:
 
 def override_problems(command: DocCommand) -> list[str]:
     """Load the config `command` applies its a.b.c=value overrides to, as the CLI would."""
-    from cli.config_catalog import bench_schema_of
+    from cli.config_catalog import bench_schema_of, is_bench_config
     from configs.loader import ConfigError, apply_overrides, load_config, read_yaml_tree, validate_config
     from configs.schema import RunConfig
     from tools.base import ToolConfigError
@@ -436,7 +437,7 @@ def override_problems(command: DocCommand) -> list[str]:
             raw = read_yaml_tree(path)
             if "prompt" in raw and "reward" in raw:
                 _validate_task_file(path, command.overrides)
-            elif path.parent.name == "bench" and bench_schema_of(path) is not None:
+            elif is_bench_config(path):
                 load_config(path, bench_schema_of(path), command.overrides)
             else:
                 config = load_config(path, RunConfig, command.overrides)
@@ -444,7 +445,7 @@ def override_problems(command: DocCommand) -> list[str]:
         elif sub == "bench" and args:
             config_path = command.options.get("--config")
             if config_path is None and args[0] == "staleness":  # as the CLI: the shipped file by default
-                config_path = "configs/bench/staleness.yaml"
+                config_path = "benchmarks/configs/staleness.yaml"
             schema = bench_schema_of(Path(f"{args[0]}.yaml"))
             if config_path is not None:
                 load_config(ROOT / config_path, schema, command.overrides)
@@ -690,7 +691,7 @@ def test_the_command_check_catches_a_wrong_command(snippet: str) -> None:
     "`vcpo train configs/default.yaml algo.objective.type=no_such_objective`",
     "`vcpo eval configs/tasks/gsm8k.yaml eval.kk=2`",
     "`vcpo config check configs/tasks/countdown.yaml loop.max_turn=3`",
-    "`vcpo bench opob --config configs/bench/opob.yaml repeats=often`",
+    "`vcpo bench opob --config benchmarks/configs/opob.yaml repeats=often`",
     "`vcpo bench staleness mode=no_such_mode`",
 ])
 def test_the_override_check_catches_a_field_that_does_not_exist(snippet: str) -> None:
@@ -726,9 +727,9 @@ def test_the_task_doc_check_catches_missing_stale_and_wrong_rows() -> None:
 
 def test_the_results_pages_generated_tables_are_what_their_committed_data_gives(tmp_path: Path) -> None:
     """The README's and docs/results.md's tables marked as generated are rendered from committed JSON
-    (`python -m learner.benchmarks.results_page`); a figure edited by hand, or data changed without
+    (`python -m benchmarks.results_page`); a figure edited by hand, or data changed without
     rerunning the renderer, fails here."""
-    from learner.benchmarks import results_page
+    from benchmarks import results_page
 
     readme = (ROOT / "README.md").read_text()
     assert results_page.blocks(readme) == ["main_job_readme"]

@@ -21,7 +21,6 @@ from tools.base import (
 from tools.e2b import E2BTool
 from tools.fakes import EchoTool, EchoToolSettings, ScriptedTool
 from tools.registry import BUILTIN_TOOLS, ENTRY_POINT_GROUP, build_tool, known_tools, validate_tool_settings
-from tools.sandbox.bench import run_sandbox_bench
 from tools.sandbox.local_sandbox import LocalPythonSandbox, LocalSandboxSession
 from tools.sandbox_fusion.client import SandboxFusionTool
 from tools.sandbox_fusion.server import create_app, serve
@@ -58,7 +57,6 @@ __all__ = [
     "build_tool",
     "create_app",
     "known_tools",
-    "run_sandbox_bench",
     "serve",
     "validate_tool_settings",
 ]

@@ -9,7 +9,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from cli.config_catalog import shipped_config_files, validate_shipped_file
+from benchmarks import BENCH_CONFIG_ROOT
+from cli.config_catalog import CONFIG_ROOT, shipped_config_files, validate_shipped_file
 from configs import schema as schema_module
 from configs.loader import ConfigError, load_config, write_resolved_config
 from configs.schema import AlgoConfig, RunConfig
@@ -22,8 +23,8 @@ def test_every_shipped_yaml_validates(path: Path) -> None:
 
 
 def test_there_are_shipped_configs() -> None:
-    folders = {path.parent.name for path in shipped_config_files()}
-    assert {"configs", "bench", "tools", "sandbox"} <= folders
+    folders = {path.parent for path in shipped_config_files()}
+    assert {CONFIG_ROOT, BENCH_CONFIG_ROOT, CONFIG_ROOT / "tools", CONFIG_ROOT / "sandbox"} <= folders
 
 
 def _all_models() -> list[type[BaseModel]]:

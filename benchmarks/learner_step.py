@@ -1,0 +1,285 @@
+"""Learner throughput: step time and its phases, tokens/s, peak memory, and model FLOPs/s as a fraction
+of the matmul peak measured in the same run, for the torch and megatron learners.
+
+`bench_learner` builds a random Llama/Qwen2-shaped checkpoint (`BenchShape`), one random minibatch of
+groups (`BenchBatch`: each group's trajectories share their first `prompt` tokens, as a prompt is),
+and times `steps` optimizer steps after `warmup` untimed ones, returning a JSON-able dict. The
+defaults are the default run's step (SmolLM2-135M, 2 × 8 trajectories of 240 tokens, a shared 150-token
+prompt, 70 sampled).
+
+Model FLOPs (`model_flops`) are what one training step of the objective needs, whatever the
+implementation: forward + backward (6 FLOPs per parameter per token) of every linear layer of the
+body over all tokens, of the output head over the trained tokens only (no other position needs
+logits), and of causal attention within each trajectory. Not counted: the separate proximal forward
+(log π_old), the per-trajectory gradient norms, casts — overheads an implementation may avoid. The
+fraction of peak (`mfu`) divides model FLOPs/s by the best n×n×n GEMM rate of the learner's matmul
+dtype (bf16 under autocast), measured right after the timed steps in the same process and threads.
+`roofline_fraction` is the share of the step the step's own matmuls would take at the measured peaks
+of the dtypes they run in (the proximal pass included) — how far the implementation is from its
+own matmul bound. `kernel_floor` (`benchmarks/kernel_floor.py`) is a tighter bound: the step's own
+kernels (its products at their shapes, its attention, VCPO's norm Grams, the proximal forward) timed
+alone at the rates they reach here, and `step_over_floor` how far the step is above it; its
+`mfu_at_floor` is the most `mfu` those kernels allow on this host.
+
+The megatron backend needs CUDA (megatron-core hard-codes it) and a process group of TP ranks
+(torchrun for TP > 1); the torch backend runs on CPU or one GPU, in the weights' dtype ('torch')
+or under bf16 autocast over fp32 weights ('torch-autocast', `learner.autocast=bfloat16`). A bf16 row
+on a device that only emulates bf16 is skipped at once, with the reason (it would run for minutes).
+
+What it does not do: read configs or print (the CLI does), generate with an engine (the behaviour
+log-probs are random near the model's), or measure weight sync.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import resource
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from benchmarks.kernel_floor import best_seconds, kernel_floor
+from benchmarks.schema import LearnerBenchConfig
+from benchmarks.workload import BenchBatch, BenchShape
+from configs.schema import AlgoConfig, MegatronConfig, OptimConfig
+from learner.backends.torch_learner import StepInput, TorchLearner
+from learner.forward.fused_layers import resolve as resolve_fused_elementwise
+from learner.forward.logprobs import native_bf16
+from learner.launch.host import host_description
+from learner.train.build import learner_device
+from rollout.trajectory import Trajectory, TrajectoryVersions
+
+
+def write_random_checkpoint(shape: BenchShape, out_dir: Path, seed: int = 0) -> Path:
+    """An HF directory holding a randomly initialised model of `shape` (fp32 safetensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    fields = {k: v for k, v in asdict(shape).items() if k != "kind"}
+    torch.manual_seed(seed)
+    if shape.kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**fields, tie_word_embeddings=False))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**fields, tie_word_embeddings=True))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def random_batch(batch: BenchBatch, vocab_size: int, seed: int = 0) -> StepInput:
+    """Random token ids and rewards; behaviour log-probs near a uniform policy's −log V (IS weights ~ 1)."""
+    rng = random.Random(seed)
+    uniform = -torch.log(torch.tensor(float(vocab_size))).item()
+    trajectories, group_ids = [], []
+    for group in range(batch.groups):
+        prompt = tuple(rng.randrange(vocab_size) for _ in range(batch.prompt))
+        for member in range(batch.group_size):
+            mask = (False,) * (batch.tokens - batch.sampled) + (True,) * batch.sampled
+            rest = tuple(rng.randrange(vocab_size) for _ in range(batch.tokens - batch.prompt))
+            trajectories.append(Trajectory(
+                trajectory_id=f"b{group}.{member}", group_id=str(group),
+                token_ids=prompt + rest, loss_mask=mask,
+                behavior_logprobs=tuple(uniform + rng.gauss(0, 0.01) if m else 0.0 for m in mask),
+                versions=TrajectoryVersions(start=0, end=0), reward=float(rng.random() < 0.5)))
+            group_ids.append(group)
+    size = len(trajectories)
+    return StepInput(trajectories, group_ids, [0] * size, [True] * size)
+
+
+def _linear_parameters(shape: BenchShape) -> tuple[int, int]:
+    """(body, head): weights of the body's linear layers (attention and MLP, all layers) and of the
+    output head, as HF Llama/Qwen2 lay them out (biases ignored: negligible)."""
+    layer = sum(i * o for i, o in shape.body_linears())
+    return shape.num_hidden_layers * layer, shape.vocab_size * shape.hidden_size
+
+
+def model_flops(shape: BenchShape, batch: BenchBatch) -> dict[str, float]:
+    """FLOPs one training step of the minibatch needs (see the module docstring): forward + backward
+    of the body's linear layers over all tokens, of the head over the trained tokens, and of causal
+    attention inside each trajectory; plus what a separate proximal forward adds on top."""
+    body, head = _linear_parameters(shape)
+    trajectories = batch.groups * batch.group_size
+    tokens, trained = trajectories * batch.tokens, trajectories * batch.sampled
+    q_width = shape.hidden_size // shape.num_attention_heads * shape.num_attention_heads
+    # causal QKᵀ and PV: 2 × 2 × width × T(T+1)/2 multiply-adds per layer and trajectory, forward
+    attention_forward = (shape.num_hidden_layers * trajectories * 2 * q_width
+                         * batch.tokens * (batch.tokens + 1))
+    forward = 2 * body * tokens + 2 * head * trained + attention_forward
+    return {"model_flops": 3.0 * forward, "forward_flops": float(forward),
+            "proximal_forward_flops": float(forward)}
+
+
+def matmul_peak_gflops(dtype: torch.dtype, device: str, size: int = 4096, repeats: int = 8) -> float:
+    """The best rate of an n×n×n matrix product in `dtype` on `device` (GFLOP/s) over `repeats` runs,
+    after one warm-up: the matmul peak the learner's FLOPs are measured against, on the same threads.
+    Best-of, because the host's clock and memory bandwidth swing (2.5× between two readings of a
+    2048³ product here, minutes apart): the peak is what the hardware can do, not what it did once."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    return 2.0 * size**3 / best_seconds(lambda: torch.mm(a, b), device, repeats) / 1e9
+
+
+def unsupported_reason(backend: str, device: str, dtype: str) -> str | None:
+    """Why `backend` in `dtype` would not run at hardware speed here (None: it would)."""
+    matmul = "bfloat16" if backend == "torch-autocast" else dtype
+    if matmul == "bfloat16" and not native_bf16(torch.device(device)):
+        return (f"{device} does bf16 matmuls only in emulation here (no AVX-512-BF16/AMX): a step would "
+                "take minutes; run backends=[torch] dtype=float32, or force_emulated=true to time it anyway")
+    return None
+
+
+def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: torch.dtype,
+           micro_batch_tokens: int, megatron: MegatronConfig, proximal: str = "auto",
+           share_prompts: bool = True, fused_elementwise: bool = False) -> TorchLearner:
+    optim = OptimConfig(lr=1e-6)
+    if backend in ("torch", "torch-autocast"):
+        from transformers import AutoModelForCausalLM
+
+        from learner.forward.varlen_attention import register_varlen_sdpa
+
+        autocast = None
+        if backend == "torch-autocast":
+            if dtype != torch.float32:
+                raise ValueError("torch-autocast is bf16 autocast over fp32 weights; "
+                                 "run it with dtype=float32")
+            autocast = torch.bfloat16
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
+        model.set_attn_implementation(register_varlen_sdpa())
+        return TorchLearner(model, algo, optim, micro_batch_tokens=micro_batch_tokens,
+                            autocast_dtype=autocast, proximal=proximal, share_prompts=share_prompts,
+                            fused_elementwise=fused_elementwise)
+    if not device.startswith("cuda"):
+        raise ValueError("the megatron learner benchmark needs CUDA (megatron-core hard-codes torch.cuda); "
+                         "use device='cuda' or backend='torch'")
+    from learner.backends.megatron.learner import MegatronLearner, init_model_parallel
+
+    torch.cuda.set_device(torch.device(device).index or 0)  # set_device refuses a bare 'cuda'
+    init_model_parallel(megatron, backend="nccl")
+    return MegatronLearner(hf_dir, algo, optim, megatron, micro_batch_tokens=micro_batch_tokens, dtype=dtype,
+                           device=torch.device("cuda", torch.cuda.current_device()))
+
+
+def _peak_memory_mib(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (KiB on Linux)
+
+
+PHASES = ("time/learner_proximal", "time/learner_gradient", "time/learner_optimizer")
+
+
+def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, device: str = "cpu",
+                  shape: BenchShape | None = None, batch: BenchBatch | None = None,
+                  objective: Literal["grpo", "vcpo"] = "grpo",
+                  dtype: Literal["float32", "bfloat16"] = "float32", micro_batch_tokens: int = 4096,
+                  steps: int = 3, warmup: int = 1, megatron: MegatronConfig | None = None,
+                  proximal: str = "auto", share_prompts: bool = True, fused_elementwise: bool = False,
+                  peak_gemm_size: int = 4096, seed: int = 0) -> dict[str, Any]:
+    """Time `steps` learner steps (after `warmup`) on one random batch; a JSON-able dict of the results.
+
+    `peak_memory_mib`: CUDA peak allocated bytes on GPUs; on CPU the process's peak RSS (includes
+    everything the process ever held, e.g. the checkpoint written at the start).
+    """
+    shape, batch = shape or BenchShape(), batch or BenchBatch()
+    fused_elementwise = fused_elementwise and backend != "megatron"  # a torch-learner option
+    algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": batch.group_size})
+    torch_dtype = getattr(torch, dtype)
+    with tempfile.TemporaryDirectory(prefix="vcpo-bench-learner-") as tmp:
+        hf_dir = write_random_checkpoint(shape, Path(tmp) / "model", seed)
+        learner = _build(backend, hf_dir, device, algo, torch_dtype, micro_batch_tokens,
+                         megatron or MegatronConfig(), proximal, share_prompts, fused_elementwise)
+    step_input = random_batch(batch, shape.vocab_size, seed)
+    matmul_dtype = "bfloat16" if backend == "torch-autocast" else dtype
+    matmul_dtypes = dict.fromkeys([matmul_dtype, dtype])
+    peaks_before = {name: matmul_peak_gflops(getattr(torch, name), device, peak_gemm_size)
+                    for name in matmul_dtypes}
+    for _ in range(warmup):
+        learner.step(step_input)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, phases = [], {name: [] for name in PHASES}
+    for _ in range(steps):
+        started = time.perf_counter()
+        metrics = learner.step(step_input)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+        for name in PHASES:
+            phases[name].append(float(metrics.get(name, math.nan)))
+    tokens = batch.groups * batch.group_size * batch.tokens
+    mean = sum(times) / len(times)
+    # the peaks, before and after the timed steps (the better of the two): same process and threads
+    peaks = {name: max(peaks_before[name], matmul_peak_gflops(getattr(torch, name), device, peak_gemm_size))
+             for name in matmul_dtypes}
+    flops = model_flops(shape, batch)
+    model_gflops_per_s = flops["model_flops"] / mean / 1e9
+    # the step's own matmuls at the peaks of their dtypes: a separate proximal forward in the weights'
+    # dtype, the gradient passes in the matmul dtype
+    reuses = bool(getattr(learner, "reuses_gradient_forward", False))
+    # … over the tokens it forwarded: a group's shared prompt once (`share_prompts`)
+    forwarded = 1.0 - float(metrics.get("train/prompt_tokens_shared", 0.0)) / tokens
+    proximal_flops = 0.0 if reuses else flops["proximal_forward_flops"] * forwarded
+    roofline_s = (proximal_flops / (peaks[dtype] * 1e9) + flops["model_flops"] / (peaks[matmul_dtype] * 1e9))
+    optimizer_s = sum(phases["time/learner_optimizer"]) / steps
+    floor = None if backend == "megatron" else kernel_floor(
+        shape, batch, micro_batch_tokens=micro_batch_tokens, matmul_dtype=getattr(torch, matmul_dtype),
+        weight_dtype=torch_dtype, per_trajectory_norms=objective == "vcpo", separate_proximal=not reuses,
+        share_prompts=share_prompts, optimizer_s=optimizer_s, model_flops=flops["model_flops"],
+        peak_gflops=peaks[matmul_dtype], device=device)
+    return {
+        "backend": backend, "device": device, "dtype": dtype, "matmul_dtype": matmul_dtype,
+        "objective": objective, "proximal": proximal, "reuses_gradient_forward": reuses,
+        "share_prompts": share_prompts, "fused_elementwise": fused_elementwise,
+        "prompt_tokens_shared_per_step": float(metrics.get("train/prompt_tokens_shared", 0.0)),
+        "shape": asdict(shape), "batch": asdict(batch), "micro_batch_tokens": micro_batch_tokens,
+        "parameters_on_rank": sum(p.numel() for p in learner.model.parameters()),
+        "megatron": (megatron or MegatronConfig()).model_dump() if backend == "megatron" else None,
+        "step_s": times, "step_s_mean": mean, "step_s_min": min(times),
+        "phases_s_mean": {name.removeprefix("time/learner_"): sum(v) / len(v) for name, v in phases.items()},
+        "tokens_per_step": tokens, "tokens_per_s": tokens / mean, "peak_memory_mib": _peak_memory_mib(device),
+        "model_flops_per_step": flops["model_flops"], "model_gflops_per_s": model_gflops_per_s,
+        "matmul_peak_gflops": peaks, "mfu": model_gflops_per_s / peaks[matmul_dtype],
+        "roofline_fraction": roofline_s / mean,
+        "kernel_floor": floor, "step_over_floor": None if floor is None else mean / floor["total_s"],
+    }
+
+
+def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
+    """`vcpo bench learner`: every configured backend on the same model and batch; a backend that cannot
+    run here keeps its row with the reason; `vs_torch` = tokens/s relative to the torch learner."""
+    device = learner_device(config.device)
+    shape = BenchShape(kind=config.kind, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                       intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+                       num_attention_heads=config.num_attention_heads,
+                       num_key_value_heads=config.num_key_value_heads)
+    batch = BenchBatch(groups=config.groups, group_size=config.group_size, tokens=config.tokens,
+                       sampled=config.sampled, prompt=config.prompt)
+    fused, _ = resolve_fused_elementwise(config.fused_elementwise, torch.device(device))  # as in a run
+    results: dict[str, Any] = {}
+    for backend in config.backends:
+        skip = None if config.force_emulated or backend == "megatron" else unsupported_reason(
+            backend, device, config.dtype)
+        if skip is not None:
+            results[backend] = {"backend": backend, "device": device, "skipped": skip}
+            continue
+        try:
+            results[backend] = bench_learner(backend, device=device, shape=shape, batch=batch,
+                                             objective=config.objective, dtype=config.dtype,
+                                             micro_batch_tokens=config.micro_batch_tokens, steps=config.steps,
+                                             warmup=config.warmup, proximal=config.proximal,
+                                             share_prompts=config.share_prompts,
+                                             fused_elementwise=fused,
+                                             peak_gemm_size=config.peak_gemm_size)
+        except (ValueError, RuntimeError, ImportError) as exc:
+            results[backend] = {"backend": backend, "device": device, "error": f"{type(exc).__name__}: {exc}"}
+    baseline = results.get("torch", {}).get("tokens_per_s")
+    for result in results.values():
+        if baseline and "tokens_per_s" in result:
+            result["vs_torch"] = round(result["tokens_per_s"] / baseline, 3)
+    return {"config": config.model_dump(mode="json"), "device": device, "host": host_description(),
+            "results": results}
+

@@ -1,0 +1,136 @@
+"""`vcpo bench main_job`: the main job's claim, measured the way a user would run it — `vcpo train` of the
+shipped config once per seed (seeds fixed before any runs), each a fresh process with its warm start
+trained (the cache key holds the seed, so no seed reuses another's) — and summarized from small files
+kept as evidence, so that the summary can be recomputed (and checked) without rerunning anything.
+
+Per seed: held-out success at every evaluation with its 95% interval (recomputed from the evaluation
+files), the start → end change paired by prompt, the lowest evaluation's change from the start (a
+collapse shows as an interval wholly below 0), the training trend (`vcpo trend`'s estimate), wall time
+of the process and by phase, and the host. Overall: whether every seed meets `min_gain` with its interval
+above 0 and without a significant fall.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent_env.heldout import HeldoutResult, paired_change, result_from_file
+from benchmarks.schema import MainJobBenchConfig
+from learner.observability.trend import reward_trend
+from learner.train.warm_start import is_search_program
+
+EVIDENCE_FILES = ("config.yaml", "task.yaml", "summary.json", "metrics.jsonl", "trajectories.jsonl")
+"""A run's small files kept per seed, beside its `eval/` folder (checkpoints and exports stay behind)."""
+
+TIMING_FILE = "timing.json"
+"""The bench's own measurement of a seed's `vcpo train` process: wall seconds from launch to exit."""
+
+
+def run_main_job_bench(bench: MainJobBenchConfig, repo_root: Path,
+                       progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Train every seed that has no evidence yet (when `bench.run`), then summarize the evidence."""
+    evidence_root = repo_root / bench.evidence_dir
+    for seed in bench.seeds:
+        evidence = evidence_root / f"seed_{seed}"
+        if (evidence / TIMING_FILE).is_file():
+            progress(f"[main_job] seed {seed}: evidence in {evidence}, not run again")
+            continue
+        if not bench.run:
+            raise FileNotFoundError(f"{evidence} has no finished run of seed {seed}; run the bench with "
+                                    "run=true, or drop the seed from `seeds`")
+        run_dir = repo_root / bench.runs_dir / f"seed_{seed}"
+        command = [sys.executable, "-m", "cli", "train", str(repo_root / bench.config),
+                   f"seed={seed}", f"run_dir={run_dir}", *bench.overrides]
+        progress(f"[main_job] seed {seed}: {' '.join(command[3:])}")
+        started = time.perf_counter()
+        finished = subprocess.run(command, cwd=repo_root, check=False)
+        wall_s = time.perf_counter() - started
+        if finished.returncode != 0:
+            raise RuntimeError(f"seed {seed}: `vcpo train` exited with {finished.returncode}; its run dir "
+                               f"{run_dir} resumes on the next call")
+        keep_evidence(run_dir, evidence, wall_s)
+    return summarize_main_job(evidence_root, bench.seeds, bench.min_gain)
+
+
+def keep_evidence(run_dir: Path, evidence: Path, wall_s: float) -> None:
+    """Copy `run_dir`'s small files into `evidence` (written beside and renamed into place)."""
+    tmp = evidence.with_name(evidence.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "eval").mkdir(parents=True)
+    for name in EVIDENCE_FILES:
+        shutil.copy2(run_dir / name, tmp / name)
+    for path in sorted((run_dir / "eval").glob("version_*.jsonl")):
+        shutil.copy2(path, tmp / "eval" / path.name)
+    (tmp / TIMING_FILE).write_text(json.dumps({"process_wall_s": round(wall_s, 1)}) + "\n")
+    shutil.rmtree(evidence, ignore_errors=True)
+    tmp.rename(evidence)
+
+
+def _strategies(path: Path) -> dict[str, dict[str, int]]:
+    """How one evaluation's episodes used the tool — with the warm start's search program or otherwise —
+    and how many of each solved their puzzle: what the policy learned to do, beside how well."""
+    counts = {"search_program": {"episodes": 0, "correct": 0}, "other": {"episodes": 0, "correct": 0}}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.get("kind") != "sample":
+            continue
+        code = "\n".join(turn.get("code") or "" for turn in record.get("turns", []))
+        row = counts["search_program" if is_search_program(code) else "other"]
+        row["episodes"] += 1
+        row["correct"] += bool(record.get("is_correct"))
+    return counts
+
+
+def _evaluation(result: HeldoutResult, path: Path) -> dict[str, Any]:
+    return {"step": result.version, "success": round(result.success, 4), "low": round(result.low, 4),
+            "high": round(result.high, 4), "prompts": len(result.per_prompt), "strategies": _strategies(path)}
+
+
+def summarize_seed(evidence: Path, min_gain: float) -> dict[str, Any]:
+    """One seed's figures, from its evidence folder alone."""
+    paths = sorted((evidence / "eval").glob("version_*.jsonl"))
+    results = [result_from_file(path) for path in paths]
+    if len(results) < 2 or results[0].version != 0:
+        raise ValueError(f"{evidence}: needs the evaluation before the first step and a later one, has "
+                         f"{[result.version for result in results]}")
+    start, end = results[0], results[-1]
+    change = paired_change(start, end)
+    lowest = min((paired_change(start, result) for result in results[1:]), key=lambda c: c.gain)
+    summary = json.loads((evidence / "summary.json").read_text())
+    timing = json.loads((evidence / TIMING_FILE).read_text())
+    trend = reward_trend(evidence)
+    meets = change.gain >= min_gain and change.low > 0 and lowest.high >= 0
+    return {
+        "heldout": [_evaluation(result, path) for result, path in zip(results, paths, strict=True)],
+        "gain": round(change.gain, 4), "gain_low": round(change.low, 4), "gain_high": round(change.high, 4),
+        "lowest_change": {"step": lowest.end.version, "gain": round(lowest.gain, 4),
+                          "high": round(lowest.high, 4)},
+        "collapsed": lowest.high < 0,
+        "meets_target": meets,
+        "training_success_change_per_100_steps": trend["success_rate_change_per_100_steps"],
+        "training_success_change_ci95": trend["ci95_change_per_100_steps"],
+        "process_wall_s": timing["process_wall_s"],
+        "run_wall_s": round(summary["wall_s"], 1),
+        "phases_s": {name: round(seconds, 1) for name, seconds in summary["phases_s"].items()},
+        "host": summary["host"],
+    }
+
+
+def summarize_main_job(evidence_root: Path, seeds: list[int], min_gain: float) -> dict[str, Any]:
+    """Every seed's figures and the claim over all of them."""
+    per_seed = {str(seed): summarize_seed(evidence_root / f"seed_{seed}", min_gain) for seed in seeds}
+    walls = [row["process_wall_s"] for row in per_seed.values()]
+    return {
+        "seeds": per_seed,
+        "min_gain": min_gain,
+        "every_seed_meets_target": all(row["meets_target"] for row in per_seed.values()),
+        "gain_mean": round(sum(row["gain"] for row in per_seed.values()) / len(per_seed), 4),
+        "process_wall_s_max": max(walls),
+    }

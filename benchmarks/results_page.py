@@ -1,0 +1,201 @@
+"""The tables of docs/results.md and the README that come from committed JSON, rendered from it, so a figure
+cannot drift from its data: each table sits between two markers naming its renderer and its file,
+
+    <!-- generated: staleness_ten_seeds from docs/results/staleness_10seeds.json -->
+    | ... |
+    <!-- end generated -->
+
+and `python -m benchmarks.results_page` rewrites every such block from its file (`--check`: exits 1
+and names the blocks that differ, writing nothing). tests/test_docs.py runs the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.staleness import mean_ci_text
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = (ROOT / "docs" / "results.md", ROOT / "README.md")
+"""The pages with generated blocks."""
+
+_BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) from (?P<path>[\w./-]+) -->\n)(?P<body>.*?)"
+                    r"(<!-- end generated -->)", re.DOTALL)
+
+
+def _lr(lr: float) -> str:
+    """1e-4, 3e-5: a learning rate as people write it."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
+STALENESS_LABELS = {"vcpo_spec": "VCPO, spec OPOB", "vcpo_reference": "VCPO, reference OPOB",
+                    "seq_tis": "sequence TIS", "m2po": "M2PO", "grpo": "GRPO (no correction)",
+                    "token_tis": "token TIS", "vcpo_opob_winsorized": "VCPO, winsorized OPOB"}
+
+
+def staleness_ten_seeds(data: dict[str, Any]) -> str:
+    """Per method run at k = 0 and the largest k: both scores, the retention and whether the seeds
+    resolve "loses more than 5%", and the largest k's per-seed scores."""
+    ran = [e for e in data["summary"] if e["status"] == "ok" and e["numerics"] == "matched"]
+    top = max(e["lag"] for e in ran)
+    cells = {(e["method"], e["lag"]): e for e in ran}
+    kept = {(r["method"], r["lag"]): r for r in data["retention"] if r["numerics"] == "matched"}
+    methods = [m for m in dict.fromkeys(e["method"] for e in ran) if (m, 0) in cells and (m, top) in cells]
+    seeds = len(cells[(methods[0], 0)]["final_success_per_seed"])
+    lines = [f"| method (lr) | k = 0 ({seeds} seeds) | k = {top} ({seeds} seeds) | retention (95% interval) "
+             f"| \"loses > 5%\" | k = {top}, per seed |", "| --- | ---: | ---: | ---: | --- | --- |"]
+    for method in methods:
+        start, end, retention = cells[(method, 0)], cells[(method, top)], kept[(method, top)]
+        verdict = "yes" if retention["loses_more_than_5pct"] else "no"
+        verdict += ", resolved" if retention["resolved"] else " (point), not resolved"
+        per_seed = " ".join(f"{score:.3f}" for score in end["final_success_per_seed"])
+        lines.append(f"| {STALENESS_LABELS.get(method, method)} ({_lr(end['lr'])}) | {mean_ci_text(start)} | "
+                     f"{mean_ci_text(end)} | {100 * retention['retention']:.1f}% ± "
+                     f"{100 * retention['retention_ci95']:.1f}% | {verdict} | {per_seed} |")
+    return "\n".join(lines) + "\n"
+
+
+def _gpu_part_figure(name: str, result: dict[str, Any]) -> str:
+    """The one figure a reader wants from each part of the GPU check."""
+    if not result:
+        return "nothing written before its limit"
+    if name == "env":
+        peaks = result.get("matmul_peak_gflops", {})
+        return (f"{result.get('gpu')}, torch {result.get('torch')}; matmul peak bf16 "
+                f"{peaks.get('bfloat16', 0) / 1000:.0f}, fp32 {peaks.get('float32', 0) / 1000:.1f} TFLOP/s")
+    if name.startswith("train"):
+        figure = f"{result['steps']} steps, {result['step_s_mean']:.1f} s per step"
+        if result.get("lag0_steps"):
+            figure += f"; at lag 0 the largest log-ratio {result['lag0_max_abs_log_ratio']:.1e} in size"
+        return figure
+    if name == "pytest_gpu":
+        return f"{result['n_passed']} passed, {result['n_failed']} failed, {result['n_skipped']} skipped"
+    if name.startswith("bench_opob"):
+        return f"{len(result['rows'])} rows, peak memory {result['peak_memory_mib'] / 1024:.1f} GiB"
+    if name.startswith("bench_learner"):
+        return ", ".join(f"{backend}: {row.get('step_s_mean', float('nan')):.2f} s per step"
+                         for backend, row in result.items() if isinstance(row, dict) and "step_s_mean" in row)
+    if name == "staleness_tiny":
+        return "; ".join(f"{e['method']} k={e['lag']}: {e['final_success']:.3f}" for e in result["summary"]
+                         if e.get("final_success") is not None)
+    return ""
+
+
+def gpu_check_parts(data: dict[str, Any]) -> str:
+    """Every part of every call of the GPU check: its status, wall time and its figure."""
+    lines = ["| call | part | status | wall | figure |", "| ---: | --- | --- | ---: | --- |"]
+    for number, call in enumerate(data["calls"], start=1):
+        for name, part in call["parts"].items():
+            lines.append(f"| {number} | {name} | {part['status']} | {part['wall_s']:.0f} s | "
+                         f"{_gpu_part_figure(name, part.get('result') or {})} |")
+    return "\n".join(lines) + "\n"
+
+
+def _points(fraction: float) -> str:
+    return f"{100 * fraction:+.1f}"
+
+
+def _searched(evaluation: dict[str, Any]) -> tuple[int, int, int]:
+    """(episodes running the search program, how many of them solved, episodes in all) of one evaluation."""
+    strategies = evaluation["strategies"]
+    total = sum(row["episodes"] for row in strategies.values())
+    return strategies["search_program"]["episodes"], strategies["search_program"]["correct"], total
+
+
+def main_job_seeds(data: dict[str, Any]) -> str:
+    """Per seed of `vcpo bench main_job`: every held-out evaluation with its interval, the paired start → end
+    change, how the episodes used the tool at the start and the end, the wall time by phase, the verdict."""
+    lines = ["| seed | held-out success by step (95% interval) | start → end, paired (95% interval) | "
+             "episodes running the search program: start → end (solved) | wall: all (warm start, RL, "
+             "evaluations) | ≥ 10 points, interval > 0, no fall |",
+             "| ---: | --- | --- | --- | --- | --- |"]
+    for seed, row in data["seeds"].items():
+        evals = " → ".join(f"{e['step']}: {100 * e['success']:.1f}% "
+                           f"({100 * e['low']:.1f}–{100 * e['high']:.1f})" for e in row["heldout"])
+        first, first_solved, total = _searched(row["heldout"][0])
+        last, last_solved, _ = _searched(row["heldout"][-1])
+        phases = row["phases_s"]
+        wall = (f"{row['process_wall_s'] / 60:.1f} min ({phases.get('warm start', 0):.0f} s, "
+                f"{phases.get('RL', 0):.0f} s, {phases.get('held-out eval', 0):.0f} s)")
+        lines.append(f"| {seed} | {evals} | **{_points(row['gain'])}** ({_points(row['gain_low'])} to "
+                     f"{_points(row['gain_high'])}) | {first}/{total} ({first_solved}) → "
+                     f"{last}/{total} ({last_solved}) | {wall} | "
+                     f"{'yes' if row['meets_target'] else 'no'} |")
+    walls = max(row["process_wall_s"] for row in data["seeds"].values())
+    verdict = "yes" if data["every_seed_meets_target"] else "no"
+    lines.append(f"\nEvery seed meets the target: **{verdict}**; mean change {_points(data['gain_mean'])} "
+                 f"points; the longest run {walls / 60:.1f} min.")
+    return "\n".join(lines) + "\n"
+
+
+def main_job_readme(data: dict[str, Any]) -> str:
+    """The README's short form of `main_job_seeds`."""
+    lines = ["| seed | held-out success by step | start → end, paired (95% interval) | searching episodes, "
+             "start → end | wall |", "| ---: | --- | --- | --- | ---: |"]
+    for seed, row in data["seeds"].items():
+        evals = " → ".join(f"{100 * e['success']:.1f}%" for e in row["heldout"])
+        steps = ", ".join(str(e["step"]) for e in row["heldout"])
+        (first, _, total), (last, _, _) = map(_searched, (row["heldout"][0], row["heldout"][-1]))
+        lines.append(f"| {seed} | {evals} (steps {steps}) | {_points(row['gain'])} points "
+                     f"({_points(row['gain_low'])} to {_points(row['gain_high'])}) | {first} → {last} of "
+                     f"{total} | {row['process_wall_s'] / 60:.1f} min |")
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "staleness_ten_seeds": staleness_ten_seeds,
+    "main_job_seeds": main_job_seeds,
+    "main_job_readme": main_job_readme,
+    "gpu_check_parts": gpu_check_parts,
+}
+
+
+def render(text: str, root: Path = ROOT) -> tuple[str, list[str]]:
+    """`text` with every generated block rendered afresh, and the names of the blocks that changed."""
+    changed: list[str] = []
+
+    def fresh(match: re.Match[str]) -> str:
+        name, path = match["name"], match["path"]
+        if name not in RENDERERS:
+            raise ValueError(f"no renderer {name!r}; known: {', '.join(sorted(RENDERERS))}")
+        body = RENDERERS[name](json.loads((root / path).read_text()))
+        if body != match["body"]:
+            changed.append(name)
+        return match.group(1) + body + match.group(5)
+
+    return _BLOCK.sub(fresh, text), changed
+
+
+def blocks(text: str) -> list[str]:
+    """The names of the generated blocks in `text`, in order."""
+    return [match["name"] for match in _BLOCK.finditer(text)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only say which blocks differ from their data")
+    args = parser.parse_args(argv)
+    stale = False
+    for page in PAGES:
+        new, changed = render(page.read_text())
+        if args.check:
+            if changed:
+                print(f"{page}: out of date with its data: {', '.join(changed)}; run "
+                      "`python -m benchmarks.results_page`", file=sys.stderr)
+                stale = True
+            continue
+        page.write_text(new)
+        print(f"{page}: {len(blocks(new))} generated blocks, {len(changed)} rewritten "
+              f"({', '.join(changed) or 'none'})")
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The `vcpo bench` configurations: one typed, documented schema per benchmark (the files beside it in
+`benchmarks/configs/` are their shipped presets). Imports only pydantic and the run's schemas, so any
+machine can check a benchmark config."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from configs.base import StrictModel
+from configs.schema import AlgoConfig
+
+
+class OpobBenchConfig(StrictModel):
+    """`vcpo bench opob`: cost of a VCPO step (fast and per-trajectory norms) vs a plain GRPO step."""
+
+    model: str = "tiny-smollm2-shape"
+    """'tiny-smollm2-shape' (random weights, SmolLM2-135M's shape), 'tiny' (2-layer), or a model spec
+    as in model.path (e.g. 'default')."""
+    num_trajectories: int = Field(8, ge=2)
+    """Trajectories in the packed batch (two groups of half that size)."""
+    lengths: list[Annotated[int, Field(ge=8)]] = Field(default_factory=lambda: [128, 512, 2048])
+    """Trajectory lengths (tokens) to measure, one table row each."""
+    prompt_fraction: float = Field(0.25, ge=0, lt=1)
+    """Share of each trajectory that is prompt (loss_mask 0)."""
+    repeats: int = Field(3, ge=1)
+    """Timed repeats per measurement (median reported)."""
+    warmup_rounds: int = Field(1, ge=0)
+    """Untimed rounds before the timed ones (0 for very long steps, where warm-up is negligible)."""
+    per_trajectory_max_length: int = Field(2048, ge=8)
+    """Skip the slow per-trajectory path above this length (it is reported as skipped)."""
+    micro_batch_tokens: int = Field(8192, ge=64)
+    """Token budget of one packed micro-batch."""
+    seed: int = 0
+    """Seed of the random batch and model."""
+    device: str = "cpu"
+    """'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available, else cpu)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the model (bf16 on GPUs; the IS and norm arithmetic stays fp32)."""
+
+
+class AsyncBenchConfig(StrictModel):
+    """`vcpo bench async`: wall time of the same training workload at several lag bounds k."""
+
+    run_config: str = "configs/default.yaml"
+    """The run config whose workload (model, task, algo, batch) every k trains."""
+    lags: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0, 1, 2, 4])
+    """Lag bounds to compare; 0 (synchronous) is the baseline of the speedups."""
+    steps: int = Field(16, ge=1)
+    """Optimizer steps per k (the same for all); the first k + 1 are the pipeline fill and the last k the
+    drain, the steps between them the steady state (benchmarks/asynchrony.py)."""
+    overrides: list[str] = Field(default_factory=list)
+    """a.b.c=value overrides applied to the run config (e.g. a smaller model or batch)."""
+    run_root: str = "runs/bench-async"
+    """Where each k's run directory goes (wiped first)."""
+
+
+class StalenessMethodConfig(StrictModel):
+    """One row of `vcpo bench staleness`: an objective + step-size rule and its own learning rate."""
+
+    name: str
+    """Row name in the tables and plots."""
+    algo: dict[str, Any]
+    """The run config's `algo` section for this method (objective, ess_lr, staleness_lr, ...);
+    `group_size` comes from the benchmark."""
+    lr: float = Field(gt=0)
+    """Peak learning rate of this method (chosen by the k = 0 sweep, see
+    benchmarks/configs/staleness.yaml)."""
+
+    @model_validator(mode="after")
+    def _valid_algo(self) -> StalenessMethodConfig:
+        AlgoConfig.model_validate({**self.algo, "group_size": 8})  # a bad method fails at load time
+        return self
+
+
+class StalenessBenchConfig(StrictModel):
+    """`vcpo bench staleness`: methods × lag bounds × seeds through the real asynchronous pipeline on
+    a tiny pre-taught policy (benchmarks/staleness.py)."""
+
+    methods: list[StalenessMethodConfig] = Field(min_length=1)
+    """The compared methods (rows)."""
+    only: list[str] | None = None
+    """Run just these method names (the others keep their rows, marked not run); None = all."""
+    lags: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0, 4, 16, 64, 128])
+    """Lag bounds k; every batch lags by exactly min(k, step) (rollout.saturate_lag)."""
+    seeds: list[int] = Field(default_factory=lambda: [0, 1])
+    """Seeds per (method, k): the RL run's seed (sampling, data order); the pre-taught policy is shared."""
+    steps: int = Field(160, ge=1)
+    """Optimizer steps per run (the same budget for every method)."""
+    groups_per_step: int = Field(4, ge=1)
+    """Prompts per step."""
+    group_size: int = Field(8, ge=2)
+    """Samples per prompt."""
+    task: Literal["count", "alphabet", "addition"] = "count"
+    """The verifiable task (benchmarks/staleness_tasks.py):
+    'alphabet' — "d-g" → "d, e, f, g" (the paper
+    preset, with `separator`), 'count' — "17-41" → "17 18 … 41": long variable answers, held-out
+    evaluation prompts; 'addition' — "a+b=" → the sum, 1–2 answer tokens (the tiny preset)."""
+    separator: str = Field(", ", min_length=1, max_length=4, pattern=r"^[^a-z]+$")
+    """alphabet: what stands between two letters of an answer (1 byte-level token per character)."""
+    max_operand: int = Field(4, ge=1, le=99)
+    """addition: a, b in 0..max_operand."""
+    count_min: int = Field(4, ge=1, le=90)
+    """count / alphabet: fewest numbers (letters) in an answer, 3 tokens each."""
+    count_max: int = Field(22, ge=1, le=90)
+    """count / alphabet: most numbers (letters) in an answer (alphabet: at most 26, so a range names one
+    answer)."""
+    eval_fraction: float = Field(0.2, gt=0, lt=1)
+    """count: share of the (start, count) pairs held out for evaluation (never trained on)."""
+    split_seed: int = 0
+    """count: seed of the train/evaluation split."""
+    pretrain_success: float = Field(0.3, gt=0, lt=1)
+    """Pre-teaching (supervised, on right answers) stops once the policy's exact success probability on
+    the evaluation prompts reaches this, so RL starts from a policy that is right this often."""
+    pretrain_steps: int = Field(2000, ge=1)
+    """Most Adam steps of the pre-teaching (addition: full batch; count: minibatches)."""
+    pretrain_lr: float = Field(3e-3, gt=0)
+    """count: Adam lr of the pre-teaching."""
+    pretrain_batch: int = Field(64, ge=1)
+    """count: answers per pre-teaching minibatch."""
+    hidden_size: int = Field(64, ge=8)
+    """Width of the tiny Llama policy."""
+    num_layers: int = Field(2, ge=1)
+    """Depth of the tiny Llama policy."""
+    intermediate_size: int | None = Field(None, ge=8)
+    """MLP width of the policy; None = 2 × hidden_size."""
+    numerics: list[Literal["matched", "bf16_engine"]] = Field(default_factory=lambda: ["matched"])
+    """Engine/learner numerics per run: 'matched' — both fp32, so w = 1 exactly at k = 0; 'bf16_engine' —
+    the engine samples in bf16 while the learner trains in fp32, so w ≠ 1 even at k = 0, as on GPUs."""
+    numerics_lags: list[Annotated[int, Field(ge=0)]] | None = None
+    """Lags at which the 'bf16_engine' numerics run (None = every lag)."""
+    ess_floor: float = Field(0.9, gt=0, le=1)
+    """lr_sweep: the grid stops at the largest lr at which `cap_method` keeps a median ESS ratio ≥ this
+    at k = 1 without collapsing (small per-step moves, as in LLM RL; a collapsed policy's ESS is 1)."""
+    cap_method: str = "seq_tis"
+    """lr_sweep: the method whose k = 1 ESS caps the grid."""
+    common_lr: float | None = Field(None, gt=0)
+    """matrix: run every method at this lr instead of its own (robustness and step size unconfounded)."""
+    workers: int = Field(2, ge=1)
+    """Runs in parallel (one process and one CPU thread each)."""
+    device: str = "cpu"
+    """torch device of every run's learner and engine: 'cpu', or 'cuda' / 'cuda:N' (the workers share
+    it). Part of a stored run's key when not 'cpu': a GPU run is never reused for a CPU one."""
+    collapse_fraction: float = Field(0.5, gt=0, lt=1)
+    """A run has collapsed at the first step whose trailing-10-step reward falls below this share of
+    its first 10 steps' reward (or whose loss / grad norm is not finite)."""
+    lr_grid: list[Annotated[float, Field(gt=0)]] = Field(
+        default_factory=lambda: [1e-4, 3e-4, 1e-3, 3e-3])
+    """Learning rates tried by `mode: lr_sweep`."""
+    sweep_seed: int = 1000
+    """Seed of the lr sweep (not one of `seeds`, so the lr is not chosen on the reported runs)."""
+    mode: Literal["matrix", "lr_sweep"] = "matrix"
+    """matrix: the full table; lr_sweep: `cap_method` at k = 1 with every lr in lr_grid (the grid's cap:
+    median ESS ≥ ess_floor), then each method at k = 0 with every lr up to the cap (seed `sweep_seed`)."""
+    run_root: str = "runs/bench-staleness"
+    """Where the policy, the task, every run directory and the plots go."""
+    results_dir: str | None = None
+    """Where each finished run's row is stored and found again (resume); None = run_root/results."""
+
+    @model_validator(mode="after")
+    def _check(self) -> StalenessBenchConfig:
+        names = [method.name for method in self.methods]
+        if len(set(names)) != len(names):
+            raise ValueError(f"methods: duplicate names in {names}; give every method its own name")
+        unknown = sorted(set(self.only or ()) - set(names))
+        if unknown:
+            raise ValueError(f"only: {unknown} are not method names; valid: {names}")
+        if self.count_min > self.count_max:
+            raise ValueError(f"count_min={self.count_min} > count_max={self.count_max}; "
+                             "make count_min ≤ count_max")
+        if self.task == "alphabet" and self.count_max > 26:
+            raise ValueError(f"count_max={self.count_max}: an alphabet range holds at most 26 letters; "
+                             "make count_max ≤ 26")
+        if self.mode == "lr_sweep" and self.cap_method not in names:
+            raise ValueError(f"cap_method={self.cap_method!r} is not a method name; valid: {names}")
+        return self
+
+
+def check_bench_lengths(tokens: int, prompt: int, sampled: int) -> None:
+    """The learner bench's trajectory layout: a shared prompt and the trained tail must both fit in it
+    (`LearnerBenchConfig` and the bench's own `BenchBatch` apply this one rule)."""
+    if prompt + sampled > tokens:
+        raise ValueError(f"prompt ({prompt}) + sampled ({sampled}) must not exceed tokens ({tokens}); "
+                         "lower one of them")
+
+
+class MainJobBenchConfig(StrictModel):
+    """`vcpo bench main_job`: the main job (`vcpo train` of `config`) once per seed, each run's small files
+    kept as evidence, and the summary every figure of the main job's claim comes from — held-out success
+    at every evaluation, start → end gain with its 95% interval, wall time by phase, the host
+    (benchmarks/main_job.py)."""
+
+    config: str = "configs/default.yaml"
+    """The run config each seed trains (relative paths start at the repository root)."""
+    overrides: list[str] = Field(default_factory=list)
+    """a.b.c=value overrides applied to every seed's run (after `seed` and `run_dir`)."""
+    seeds: list[int] = Field(default_factory=lambda: [31, 32, 33], min_length=1)
+    """The seeds, fixed before any of them runs."""
+    runs_dir: str = "runs/main_job"
+    """Where each seed trains (`<runs_dir>/seed_<s>`; checkpoints and exports stay here, uncommitted)."""
+    evidence_dir: str = "docs/results/main_job_runs"
+    """Where each finished seed's small files are copied (`<evidence_dir>/seed_<s>`): config, task,
+    summary.json, metrics.jsonl, trajectories.jsonl, eval/*.jsonl, timing.json. A seed already here is
+    not run again."""
+    run: bool = True
+    """False: summarize the evidence already stored, run nothing (a seed without evidence is an error)."""
+    min_gain: float = Field(0.10, ge=0, le=1)
+    """The claim: every seed's held-out success rises by at least this (a fraction) with its interval
+    above 0, and no evaluation falls significantly below the start."""
+
+
+class LearnerBenchConfig(StrictModel):
+    """`vcpo bench learner` (benchmarks/learner_step.py): optimizer steps of each learner backend
+    on one random minibatch of a random model, by default the default run's step (SmolLM2-135M's shape,
+    2 groups × 8 trajectories of 240 tokens with a shared 150-token prompt and 70 sampled tokens, 2048-
+    token micro-batches, VCPO with fast norms). Reports step time and its phases, tokens/s, peak memory,
+    model FLOPs/s and their fraction of the matmul peak of the learner's dtype, measured in the same run
+    (a large GEMM), the torch learner's kernel floor (its own kernels timed alone) and each backend's speed
+    relative to the torch learner."""
+
+    backends: list[Literal["torch", "torch-autocast", "megatron"]] = Field(
+        default_factory=lambda: ["torch", "torch-autocast", "megatron"])
+    """Backends to time: 'torch' (in `dtype`), 'torch-autocast' (the torch learner with
+    learner.autocast=bfloat16 over fp32 weights), 'megatron'. One that cannot run here (megatron without
+    CUDA, autocast with bf16 weights, bf16 on a CPU that only emulates it) is reported with its reason."""
+    device: str = "auto"
+    """'auto' (cuda when available, else cpu), 'cpu' or 'cuda'."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the learners (bf16 on GPUs)."""
+    objective: Literal["grpo", "vcpo"] = "vcpo"
+    """The step timed: plain GRPO, or VCPO with its per-trajectory gradient norms."""
+    proximal: Literal["separate", "reuse", "auto"] = "auto"
+    """Where log π_old comes from (`learner.proximal`: a separate forward, or the gradient pass's)."""
+    share_prompts: bool = True
+    """Forward each group's common prompt once where no per-trajectory hook needs it
+    (`learner.share_prompts`; the run's default). False: every trajectory forwards its whole prompt."""
+    fused_elementwise: bool | Literal["auto"] = False
+    """The torch learners' gradient forward with fused RMSNorm, rotary and SiLU·up kernels
+    (`learner.fused_elementwise`; 'auto': where torch.compile can build them)."""
+    kind: Literal["llama", "qwen2"] = "llama"
+    """Architecture of the random model."""
+    hidden_size: int = Field(576, ge=8)
+    """Model width (defaults: SmolLM2-135M's shape)."""
+    intermediate_size: int = Field(1536, ge=8)
+    """MLP width."""
+    num_hidden_layers: int = Field(30, ge=1)
+    """Transformer layers."""
+    num_attention_heads: int = Field(9, ge=1)
+    """Query heads."""
+    num_key_value_heads: int = Field(3, ge=1)
+    """Key/value heads (grouped-query attention)."""
+    vocab_size: int = Field(49152, ge=16)
+    """Vocabulary size."""
+    groups: int = Field(2, ge=1)
+    """Groups in the minibatch (the default run: 2 prompts per step)."""
+    group_size: int = Field(8, ge=2)
+    """Trajectories per group (the default run: 8)."""
+    tokens: int = Field(240, ge=2)
+    """Tokens per trajectory (the default run's warm-started episodes: ~300)."""
+    prompt: int = Field(150, ge=0)
+    """Leading tokens shared by a group's trajectories, as a prompt is (the default run: 148–152)."""
+    sampled: int = Field(70, ge=1)
+    """Trained (sampled) tokens at the end of each trajectory (the default run: ~70)."""
+    micro_batch_tokens: int = Field(2048, ge=1)
+    """Packed micro-batch budget (the default run's `learner.micro_batch_tokens`)."""
+    steps: int = Field(3, ge=1)
+    """Timed steps (after `warmup` untimed ones)."""
+    warmup: int = Field(1, ge=0)
+    """Untimed steps first (allocator and kernel warm-up)."""
+    peak_gemm_size: int = Field(4096, ge=64)
+    """n of the n×n×n GEMM whose best time over 8 repeats, before and after the timed steps, is the
+    measured matmul peak."""
+    force_emulated: bool = False
+    """Run a bf16 backend even where the device only emulates bf16 (minutes per step on AVX2-only CPUs);
+    by default such a row is skipped at once with the reason."""
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> LearnerBenchConfig:
+        check_bench_lengths(self.tokens, self.prompt, self.sampled)
+        return self
+
+
+class SandboxBenchConfig(StrictModel):
+    """`vcpo bench sandbox`: local sandbox latency/throughput vs a bare `python3 -c`, same run."""
+
+    num_calls: int = Field(200, ge=10)
+    """Calls per measurement (latency percentiles and each concurrency level)."""
+    concurrencies: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 8, 32])
+    """Concurrent calls in flight for the throughput measurements."""
+
+
+class EngineBenchConfig(StrictModel):
+    """`vcpo bench engine`: tokens/s per backend vs HF `generate`, in paired rounds
+    (benchmarks/engine.py)."""
+
+    model: str = "default"
+    """Model spec as in model.path."""
+    backends: list[Literal["hf", "vllm"]] = Field(default_factory=lambda: ["hf", "vllm"])
+    """Engines to measure (those that cannot start here are reported as unavailable)."""
+    concurrencies: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 8, 32])
+    """Concurrent requests in flight."""
+    max_new_tokens: int = Field(128, ge=1)
+    """Tokens generated per request."""
+    min_requests: int = Field(8, ge=1)
+    """Requests per measurement at least (max(concurrency, min_requests))."""
+    rounds: int = Field(3, ge=1)
+    """Paired rounds: each measures every backend and the baseline back to back at each concurrency; the
+    speedup reported is the median of the rounds' ratios (the JSON has every round's)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Model dtype in every engine and in the baseline."""
+    vllm_use_eager: bool = False
+    """vLLM without torch.compile (the engine default is compiled: faster decode, slower start-up)."""

@@ -1,0 +1,120 @@
+"""`benchmarks.learner_step`: a tiny torch-learner run reports consistent numbers; megatron on CPU is
+refused with the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.learner_step import BenchBatch, BenchShape, bench_learner, random_batch
+from benchmarks.schema import LearnerBenchConfig
+from cli import main
+from learner.forward.fused_layers import compiler_problem
+
+TINY = BenchShape(kind="qwen2", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1)
+
+
+def test_torch_learner_bench_reports_time_tokens_and_memory() -> None:
+    batch = BenchBatch(groups=2, group_size=2, tokens=24, sampled=16, prompt=0)
+    result = bench_learner("torch", shape=TINY, batch=batch, objective="vcpo", steps=2, warmup=1,
+                           peak_gemm_size=128)
+    json.dumps(result)  # JSON-able as it is
+    assert len(result["step_s"]) == 2 and result["step_s_min"] <= result["step_s_mean"]
+    assert result["tokens_per_step"] == 2 * 2 * 24  # 4 trajectories of 24 tokens
+    assert result["tokens_per_s"] == pytest.approx(96 / result["step_s_mean"])
+    assert result["peak_memory_mib"] > 0 and result["megatron"] is None
+    floor = result["kernel_floor"]  # timed in the same process, after the steps
+    assert floor["total_s"] > 0 and floor["norm_grams_s"] > 0  # VCPO's fast norms
+    assert result["step_over_floor"] == pytest.approx(result["step_s_mean"] / floor["total_s"])
+    # fp32 'auto' reuses the gradient forward: no proximal part
+    assert result["reuses_gradient_forward"] and floor["proximal_s"] == 0.0
+
+
+def test_the_bench_shares_each_groups_prompt_like_the_run_unless_told_not_to() -> None:
+    batch = BenchBatch(groups=2, group_size=2, tokens=40, sampled=16, prompt=20)
+    # the separate proximal pass, as the default run has it under autocast (fp32 'auto' reuses the gradient
+    # forward, and then no forward takes the shared layout)
+    rows = {share: bench_learner("torch", shape=TINY, batch=batch, objective="vcpo", steps=1, warmup=0,
+                                 peak_gemm_size=128, proximal="separate", share_prompts=share)
+            for share in (True, False)}
+    assert rows[True]["prompt_tokens_shared_per_step"] == 2 * 1 * 20  # each group's second member's prompt
+    assert rows[False]["prompt_tokens_shared_per_step"] == 0
+    assert rows[True]["share_prompts"] and not rows[False]["share_prompts"]
+
+
+def test_megatron_bench_on_cpu_says_what_to_do() -> None:
+    with pytest.raises(ValueError, match="needs CUDA"):
+        bench_learner("megatron", device="cpu", shape=TINY,
+                      batch=BenchBatch(groups=1, group_size=2, tokens=8, sampled=4, prompt=0))
+
+
+def test_cli_bench_learner_reports_each_backend_and_the_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "learner.json"
+    overrides = ["backends=[torch,torch-autocast,megatron]", "device=cpu", "kind=qwen2", "vocab_size=128",
+                 "hidden_size=32", "intermediate_size=64", "num_hidden_layers=1", "num_attention_heads=2",
+                 "num_key_value_heads=1", "groups=2", "group_size=2", "tokens=24", "prompt=4", "sampled=16",
+                 "steps=2", "peak_gemm_size=128", "force_emulated=true", "fused_elementwise=auto"]
+    assert main(["bench", "learner", "--out", str(out), *overrides]) == 0
+    result = json.loads(out.read_text())
+    torch_row, megatron_row = result["results"]["torch"], result["results"]["megatron"]
+    assert torch_row["vs_torch"] == 1.0 and torch_row["tokens_per_step"] == 96
+    assert "needs CUDA" in megatron_row["error"]  # no GPU here: the row says why instead of a number
+    autocast_row = result["results"]["torch-autocast"]
+    assert autocast_row["vs_torch"] == pytest.approx(torch_row["step_s_mean"] / autocast_row["step_s_mean"],
+                                                     abs=0.001)
+    for row in (torch_row, autocast_row):  # FLOPs/s against the peak of the row's matmul dtype, same run
+        peak = row["matmul_peak_gflops"][row["matmul_dtype"]]
+        assert row["mfu"] == pytest.approx(row["model_gflops_per_s"] / peak)
+        assert 0 < row["mfu"] < 1 and 0 < row["roofline_fraction"] < 1
+        assert set(row["phases_s_mean"]) == {"proximal", "gradient", "optimizer"}
+        assert sum(row["phases_s_mean"].values()) <= row["step_s_mean"]
+    assert (torch_row["matmul_dtype"], autocast_row["matmul_dtype"]) == ("float32", "bfloat16")
+    # 'auto' resolves as in a run: the fused kernels wherever torch.compile can build them
+    can_fuse = compiler_problem(torch.device("cpu")) is None
+    assert torch_row["fused_elementwise"] is can_fuse and autocast_row["fused_elementwise"] is can_fuse
+    assert result["host"]["cpu"] and result["host"]["threads"] >= 1
+
+
+def test_model_flops_count_the_body_over_all_tokens_the_head_over_trained_ones_and_attention() -> None:
+    from benchmarks.learner_step import model_flops
+
+    # qwen2 tiny: head_dim 16, q 32, kv 16: attention 32*(32+32) + 32*32 = 3072, mlp 3*32*64 = 6144
+    body, head = 3072 + 6144, 128 * 32
+    batch = BenchBatch(groups=2, group_size=2, tokens=24, sampled=16, prompt=4)
+    flops = model_flops(TINY, batch)
+    attention = 1 * 4 * 2 * 32 * 24 * 25  # layers × trajectories × 2 × q width × T(T+1), forward
+    forward = 2 * body * 96 + 2 * head * 64 + attention
+    assert flops == {"model_flops": 3.0 * forward, "forward_flops": forward,
+                     "proximal_forward_flops": forward}
+
+
+def test_a_bf16_row_on_a_cpu_that_emulates_bf16_is_skipped_at_once_with_the_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import benchmarks.learner_step as bench
+
+    monkeypatch.setattr(bench, "native_bf16", lambda device: False)
+    monkeypatch.setattr(bench, "bench_learner", lambda *a, **k: pytest.fail("an emulated bf16 row ran"))
+    config = LearnerBenchConfig(backends=["torch-autocast"], device="cpu")
+    row = bench.run_learner_bench(config)["results"]["torch-autocast"]
+    assert "only in emulation" in row["skipped"] and "force_emulated=true" in row["skipped"]
+
+
+def test_random_batch_shares_each_groups_prompt() -> None:
+    batch = random_batch(BenchBatch(groups=2, group_size=3, tokens=10, sampled=3, prompt=4), 50)
+    ids = [t.token_ids for t in batch.trajectories]
+    assert ids[0][:4] == ids[1][:4] == ids[2][:4] and ids[0][:4] != ids[3][:4]
+    assert ids[0][4:] != ids[1][4:]
+
+
+def test_the_python_defaults_are_the_cli_defaults_and_bad_lengths_are_refused() -> None:
+    """`bench_learner()` without a batch times what `vcpo bench learner` times: the default run's step, its
+    shared prompt included (a prompt-less default once made probes time an unshared proximal pass)."""
+    config = LearnerBenchConfig()
+    assert BenchBatch() == BenchBatch(groups=config.groups, group_size=config.group_size,
+                                      tokens=config.tokens, sampled=config.sampled, prompt=config.prompt)
+    with pytest.raises(ValueError, match="must not exceed tokens"):
+        BenchBatch(tokens=100, sampled=70, prompt=50)
