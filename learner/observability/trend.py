@@ -209,8 +209,9 @@ def format_trend(result: dict[str, Any]) -> str:
 
 TREND_EVERY = 5
 """Steps between two updates of the live line's success trend (a bootstrap: a few tenths of a second)."""
-TREND_MIN_STEPS = 10
-"""Steps before the live line shows a trend at all."""
+TREND_MIN_STEPS = 20
+"""Steps before the live line shows a trend at all: a slope over fewer steps, extrapolated to 100, reads as
+a rise of hundreds of points (a shorter run's closing summary compares its two halves instead)."""
 WARN_EVERY = 20
 """Fewest steps between two "success is falling" warnings."""
 
