@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from learner.launch.host import host_description
 from rollout.errors import EngineError, EngineTimeout, EngineUnavailable, MalformedResponse
 from rollout.models import load_tokenizer, resolve_model
 
@@ -106,6 +107,7 @@ def run_engine_bench(
             for c, ratios in result["speedup_per_round"].get(default, {}).items()
         },
     }
+    result["host"] = host_description()
     return result
 
 

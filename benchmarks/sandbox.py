@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from learner.launch.host import host_description
 from tools.base import ToolCall
 from tools.sandbox.local_sandbox import LocalPythonSandbox
 from tools.settings import LocalSandboxSettings
@@ -89,6 +90,7 @@ async def _bench(
         "by_concurrency": loaded,
         "warm_pool_hits": metrics["tools/python_warm_pool_hits"],
         "warm_pool_misses": metrics["tools/python_warm_pool_misses"],
+        "host": host_description(),
         "targets": {
             "max_p50_overhead_ratio": MAX_P50_OVERHEAD_RATIO,
             "min_throughput_calls_per_s": MIN_THROUGHPUT_CALLS_PER_S,
