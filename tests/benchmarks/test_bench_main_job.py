@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from benchmarks import BENCH_CONFIG_ROOT
 from benchmarks.main_job import TIMING_FILE, run_main_job_bench, summarize_main_job, summarize_seed
 from benchmarks.schema import MainJobBenchConfig
 from learner.train.warm_start import SEARCH_PROGRAM
@@ -148,7 +149,7 @@ def test_each_evaluation_counts_the_episodes_that_searched_with_a_program_and_ho
 
 @needs_the_committed_summary
 def test_the_committed_main_job_summary_is_what_its_evidence_gives() -> None:
-    shipped = yaml.safe_load((ROOT / "configs" / "bench" / "main_job.yaml").read_text())
+    shipped = yaml.safe_load((BENCH_CONFIG_ROOT / "main_job.yaml").read_text())
     bench = MainJobBenchConfig.model_validate(shipped)
     committed = json.loads(COMMITTED.read_text())
     recomputed = summarize_main_job(ROOT / bench.evidence_dir, bench.seeds, bench.min_gain)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from benchmarks import staleness_tasks
+from benchmarks import BENCH_CONFIG_ROOT, staleness_tasks
 from benchmarks.schema import StalenessBenchConfig
 from benchmarks.staleness import (
     choose_lrs,
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench(tmp_path: Path, **changes: object) -> StalenessBenchConfig:
-    raw = yaml.safe_load((ROOT / "configs" / "bench" / "staleness_tiny.yaml").read_text())
+    raw = yaml.safe_load((BENCH_CONFIG_ROOT / "staleness_tiny.yaml").read_text())
     raw.update({"only": ["grpo", "vcpo"], "lags": [0, 3], "seeds": [0], "steps": 6, "groups_per_step": 2,
                 "group_size": 4, "max_operand": 3, "pretrain_steps": 30, "hidden_size": 32, "workers": 1,
                 "run_root": str(tmp_path / "bench")})
@@ -108,7 +108,7 @@ def test_a_bad_method_or_name_is_refused_at_load_time(tmp_path: Path) -> None:
 
 
 def test_the_paper_preset_reports_regime_diagnostics_bf16_numerics_and_resumes(tmp_path: Path) -> None:
-    raw = yaml.safe_load((ROOT / "configs" / "bench" / "staleness.yaml").read_text())
+    raw = yaml.safe_load((BENCH_CONFIG_ROOT / "staleness.yaml").read_text())
     raw.update({"only": ["seq_tis", "vcpo_reference"], "lags": [0, 2], "seeds": [0], "steps": 4,
                 "groups_per_step": 2, "group_size": 4, "count_max": 8, "hidden_size": 32, "num_layers": 1,
                 "intermediate_size": 64, "pretrain_steps": 20, "workers": 1,
@@ -211,7 +211,7 @@ def test_the_committed_summary_is_what_the_committed_runs_give(tmp_path: Path, s
     from benchmarks import staleness
 
     stored = ROOT / "docs" / "results" / "staleness_runs"
-    raw = yaml.safe_load((ROOT / "configs" / "bench" / "staleness.yaml").read_text())
+    raw = yaml.safe_load((BENCH_CONFIG_ROOT / "staleness.yaml").read_text())
     raw.update({"numerics": ["matched"], "results_dir": str(stored), "run_root": str(tmp_path / "bench"),
                 **overrides})
     bench = StalenessBenchConfig.model_validate(raw)
