@@ -37,7 +37,8 @@ def _lr(lr: float) -> str:
 
 STALENESS_LABELS = {"vcpo_spec": "VCPO, spec OPOB", "vcpo_reference": "VCPO, reference OPOB",
                     "seq_tis": "sequence TIS", "m2po": "M2PO", "grpo": "GRPO (no correction)",
-                    "token_tis": "token TIS", "vcpo_opob_winsorized": "VCPO, winsorized OPOB"}
+                    "token_tis": "token TIS", "vcpo_opob_winsorized": "VCPO, winsorized OPOB",
+                    "ess_lr_only": "ESS-lr only"}
 
 
 def staleness_ten_seeds(data: dict[str, Any]) -> str:
@@ -59,6 +60,44 @@ def staleness_ten_seeds(data: dict[str, Any]) -> str:
         lines.append(f"| {STALENESS_LABELS.get(method, method)} ({_lr(end['lr'])}) | {mean_ci_text(start)} | "
                      f"{mean_ci_text(end)} | {100 * retention['retention']:.1f}% ± "
                      f"{100 * retention['retention_ci95']:.1f}% | {verdict} | {per_seed} |")
+    return "\n".join(lines) + "\n"
+
+
+def staleness_matrix(data: dict[str, Any]) -> str:
+    """Per method that ran: its final success at every lag (mean ± 95% interval over seeds), its retention at
+    each lag > 0 (marked where the seeds resolve "loses more than 5%" either way) and the median ESS ratio
+    there. One numerics only (the file's first); methods not run are left out."""
+    ran = [e for e in data["summary"] if e["status"] == "ok"]
+    numerics = ran[0]["numerics"]
+    ran = [e for e in ran if e["numerics"] == numerics]
+    lags = sorted({e["lag"] for e in ran})
+    cells = {(e["method"], e["lag"]): e for e in ran}
+    kept = {(r["method"], r["lag"]): r for r in data["retention"] if r["numerics"] == numerics}
+    later = [lag for lag in lags if lag > 0]
+    seeds = sorted({e["seeds"] for e in ran})
+    at = " / ".join(map(str, later))
+    header = ["method (lr)", *(f"k = {lag}" for lag in lags), f"retention at k = {at}",
+              f"ESS median at k = {at}"]
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    for method in dict.fromkeys(e["method"] for e in ran):
+        row = [f"{STALENESS_LABELS.get(method, method)} ({_lr(cells[(method, lags[-1])]['lr'])})"]
+        row += [mean_ci_text(cells[(method, lag)]) if (method, lag) in cells else "—" for lag in lags]
+        retained = []
+        for lag in later:
+            entry = kept.get((method, lag))
+            if entry is None or entry.get("retention") is None:
+                retained.append("—")
+                continue
+            mark = (" (loses, resolved)" if entry["loses_more_than_5pct"] else " (keeps, resolved)") \
+                if entry["resolved"] else ""
+            retained.append(f"{100 * entry['retention']:.0f}%{mark}")
+        row.append(" / ".join(retained))
+        row.append(" / ".join(f"{cells[(method, lag)]['median_ess_ratio']:.2f}" if (method, lag) in cells
+                              else "—" for lag in later))
+        lines.append("| " + " | ".join(row) + " |")
+    count = " or ".join(map(str, seeds)) + (" seed" if seeds == [1] else " seeds")
+    lines.append(f"\n{numerics} numerics, {count} per cell; "
+                 "\"resolved\": the 95% interval of score(k) − 0.95 · score(0) excludes 0.")
     return "\n".join(lines) + "\n"
 
 
@@ -149,11 +188,138 @@ def main_job_readme(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def main_job_other_runs(data: dict[str, Any]) -> str:
+    """The main job run other ways than the bench (a fresh clone with its installs, the warm start cached, an
+    AVX2-only host): per run its host, held-out start → end and the wall time by phase."""
+    lines = ["| run | host | held-out success, start → end (paired 95% interval) | wall in all | "
+             "setup · warm start · start-up · RL · evaluations |", "| --- | --- | --- | ---: | --- |"]
+    for run in data["runs"]:
+        summary = run["summary"]
+        heldout, change, phases = summary["heldout"], summary["heldout_change"], summary["phases_s"]
+        setup = f"{run['setup_s']:.0f} s" if run.get("setup_s") is not None else "—"
+        split = " · ".join([setup] + [f"{phases.get(name, 0):.0f} s"
+                                      for name in ("warm start", "startup", "RL", "held-out eval")])
+        lines.append(f"| {run['name']} | {run['host']} | {100 * heldout[0]['success']:.1f}% → "
+                     f"{100 * heldout[-1]['success']:.1f}%: {_points(change['gain'])} "
+                     f"({_points(change['low'])} to {_points(change['high'])}) | "
+                     f"{run['wall_s'] / 60:.1f} min | {split} |")
+    return "\n".join(lines) + "\n"
+
+
+def _host(host: dict[str, Any]) -> str:
+    """'AMD EPYC (avx512_bf16, avx512f, avx2), 2 threads': the CPU a figure was measured on."""
+    features = ", ".join(host.get("cpu_features") or []) or "no AVX2"
+    threads = host.get("threads", "?")
+    return f"{host.get('cpu', '?')} ({features}), {threads} thread{'' if threads == 1 else 's'}"
+
+
+def bench_sandbox(data: dict[str, Any]) -> str:
+    """`vcpo bench sandbox`: latency one call at a time against a bare interpreter; throughput by
+    concurrency."""
+    latency, bare = data["latency_ms"], data["latency_ms"]["bare_python"]["p50"]
+    lines = ["| latency, one call at a time | p50 | p99 | p50 ÷ bare |", "| --- | ---: | ---: | ---: |"]
+    rows = (("sandbox", "sandbox, warm pool (default)"), ("sandbox_no_warm_pool", "sandbox, no warm pool"),
+            ("bare_python", "bare `python3 -c`"))
+    for key, label in rows:
+        ratio = "—" if key == "bare_python" else f"{latency[key]['p50'] / bare:.2f}"
+        lines.append(f"| {label} | {latency[key]['p50']:.1f} ms | {latency[key]['p99']:.1f} ms | {ratio} |")
+    levels = list(data["by_concurrency"])
+    lines += ["", "| calls/s at concurrency | " + " | ".join(levels) + " |",
+              "| --- |" + " ---: |" * len(levels)]
+    for key, label in (("sandbox", "sandbox"), ("bare_python", "bare `python3 -c`")):
+        lines.append(f"| {label} | " + " | ".join(f"{data['by_concurrency'][c][key + '_calls_per_s']:.1f}"
+                                                  for c in levels) + " |")
+    targets = data["targets"]
+    met = "met" if targets["is_p50_overhead_met"] and targets["is_throughput_met"] else "**not met**"
+    lines.append(f"\nTargets: p50 ≤ {targets['max_p50_overhead_ratio']}× bare, ≥ "
+                 f"{targets['min_throughput_calls_per_s']:.0f} calls/s — {met}. {data['num_calls']} calls "
+                 f"per measurement; host {_host(data['host'])}.")
+    return "\n".join(lines) + "\n"
+
+
+def bench_learner(data: dict[str, Any]) -> str:
+    """`vcpo bench learner`: per backend its step time (range over the timed steps), tokens/s, model FLOPs as
+    a share of the measured matmul peak of its dtype, the step over its own kernels' floor, and its speed
+    relative to the fp32 torch learner; a backend that cannot run here with its reason."""
+    lines = ["| learner | step (min–max) | tokens/s | model FLOPs, of the peak of its matmul dtype | "
+             "step ÷ its kernels' floor | vs fp32 torch |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, row in data["results"].items():
+        if "step_s_mean" not in row:
+            reason = row.get("skipped") or row.get("error") or "did not run"
+            lines.append(f"| {name} | — | — | — | — | {reason.splitlines()[0].split(';')[0]} |")
+            continue
+        label = f"{name} ({row['matmul_dtype']} matmuls)"
+        floor = f"{row['step_over_floor']:.2f}" if row.get("step_over_floor") is not None else "—"
+        spread = f"{min(row['step_s']):.1f}–{max(row['step_s']):.1f}"
+        lines.append(f"| {label} | {row['step_s_mean']:.1f} s ({spread}) "
+                     f"| {row['tokens_per_s']:.0f} | {100 * row['mfu']:.1f}% | {floor} | "
+                     f"{row.get('vs_torch', float('nan')):.2f}× |")
+    config = data["config"]
+    lines.append(f"\n{config['groups']} groups × {config['group_size']} trajectories of {config['tokens']} "
+                 f"tokens ({config['prompt']} shared prompt, {config['sampled']} sampled), objective "
+                 f"{config['objective']}, on {data['device']}; host {_host(data['host'])}.")
+    return "\n".join(lines) + "\n"
+
+
+def bench_opob(data: dict[str, Any]) -> str:
+    """`vcpo bench opob`: per trajectory length one complete optimizer step of GRPO and of VCPO (fast exact
+    norms, per-trajectory norms), the proximal forward apart, and fast VCPO's cost over GRPO's."""
+    lines = ["| tokens / trajectory | trajectories | proximal forward | GRPO step | VCPO step, fast exact "
+             "norms | VCPO step, per-trajectory norms | fast / GRPO |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in data["rows"]:
+        per_trajectory = row.get("vcpo_per_trajectory_step_s")
+        lines.append(f"| {row['length']} | {row['num_trajectories']} | {row['old_forward_s']:.1f} s | "
+                     f"{row['grpo_step_s']:.1f} s | {row['vcpo_fast_step_s']:.1f} s | "
+                     f"{'—' if per_trajectory is None else f'{per_trajectory:.1f} s'} | "
+                     f"**{row['vcpo_fast_over_grpo']:.2f}** |")
+    target = data["target"]
+    met = "met" if target["is_met"] else "**not met**"
+    lines.append(f"\nTarget: fast VCPO ≤ {target['vcpo_fast_over_grpo_max']}× GRPO — {met}. Model "
+                 f"{data['model']} ({data['parameters'] / 1e6:.1f}M parameters, random weights), "
+                 f"{data['dtype']}, on {data['device']}; host {_host(data['host'])}.")
+    return "\n".join(lines) + "\n"
+
+
+def bench_engine(data: dict[str, Any]) -> str:
+    """`vcpo bench engine`: tokens/s per backend and concurrency (median over the paired rounds), each
+    engine's speedup over HF `generate` (median of the rounds' ratios, then every round's), and the target."""
+    levels = list(data["hf_generate"]["tokens_per_s"])
+    lines = ["| median over the rounds | " + " | ".join(f"c={c}" for c in levels) + " |",
+             "| --- |" + " ---: |" * len(levels),
+             "| HF `generate` (baseline), tokens/s | "
+             + " | ".join(f"{data['hf_generate']['tokens_per_s'][c]:.1f}" for c in levels) + " |"]
+    labels = {"vllm": "vLLM-CPU, compiled (the default)", "hf": "vcpo HF engine"}
+    for backend, numbers in data["backends"].items():
+        lines.append(f"| {labels.get(backend, backend)}, tokens/s | "
+                     + " | ".join(f"{numbers['tokens_per_s'][c]:.1f}" for c in levels) + " |")
+    for backend in data["backends"]:
+        medians, rounds = data["speedup_vs_hf_generate"][backend], data["speedup_per_round"][backend]
+        lines.append(f"| **{labels.get(backend, backend)} / HF `generate`** (each round) | "
+                     + " | ".join(f"**{medians[c]:.2f}×** ({', '.join(f'{r:.2f}' for r in rounds[c])})"
+                                  for c in levels) + " |")
+    for backend, reason in data["unavailable"].items():
+        lines.append(f"| {backend} | not measured: {reason} |" + " |" * (len(levels) - 1))
+    target = data["target"]
+    met = [c for c in levels if target["is_met_in_every_round"].get(c)]
+    lines.append(f"\nTarget: {target['backend']} ≥ {target['speedup']}× HF `generate`, met in every round at "
+                 f"c = {', '.join(met) or 'none'}; memory bandwidth read at each round's start "
+                 f"{', '.join(f'{g:.0f}' for g in data['memory_read_gbps_per_round'])} GB/s; host "
+                 f"{_host(data['host'])}.")
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "staleness_ten_seeds": staleness_ten_seeds,
+    "staleness_matrix": staleness_matrix,
     "main_job_seeds": main_job_seeds,
     "main_job_readme": main_job_readme,
+    "main_job_other_runs": main_job_other_runs,
     "gpu_check_parts": gpu_check_parts,
+    "bench_sandbox": bench_sandbox,
+    "bench_learner": bench_learner,
+    "bench_opob": bench_opob,
+    "bench_engine": bench_engine,
 }
 
 
