@@ -1,4 +1,5 @@
-"""Tasks from YAML, datasets, rewards, the multi-turn SimpleTIR agent loop and evaluation.
+"""Tasks from YAML, datasets, rewards, the multi-turn SimpleTIR agent loop, running a task's episodes and
+groups for the rollout manager (`runtime`) and evaluation.
 
 May import: `vcpo`, `rollout`, `tools`, `configs` (the task schema: a task component takes its own
 validated section).
@@ -10,6 +11,7 @@ from agent_env.evaluate import EvalFileError, evaluate
 from agent_env.loop import Episode, EpisodeSettings, TurnRecord, run_episode
 from agent_env.prompts import PromptError, render_messages, render_prompt_ids
 from agent_env.rewards import RewardFn, RewardResult, build_reward, extract_answer
+from agent_env.runtime import LiveCounts, RolloutRuntime, TaskRuntime, data_index, episode_settings
 from agent_env.samples import Sample
 
 __all__ = [
@@ -18,12 +20,17 @@ __all__ = [
     "Episode",
     "EpisodeSettings",
     "EvalFileError",
+    "LiveCounts",
     "PromptError",
     "RewardFn",
     "RewardResult",
+    "RolloutRuntime",
     "Sample",
+    "TaskRuntime",
     "TurnRecord",
     "build_reward",
+    "data_index",
+    "episode_settings",
     "evaluate",
     "extract_answer",
     "load_samples",

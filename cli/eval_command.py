@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent_env.evaluate import EvalFileError, evaluate
+from agent_env.runtime import episode_settings
 from learner.train.compose import engine_settings, load_task, task_runtime
-from learner.train.trainer import episode_settings
 
 if TYPE_CHECKING:
     from rollout.engines.openai_engine import ServedModel

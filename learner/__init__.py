@@ -2,7 +2,8 @@
 command above it, in `cli/`, reads the files), in subpackages by concern, each importing only those
 listed before it:
 
-* `observability/` — metric names, metrics.jsonl / TensorBoard / W&B, the progress line, plot, trend
+* `observability/` — metric names, metrics.jsonl / TensorBoard / W&B, trajectories.jsonl, the progress
+  line, plot, trend
 * `forward/` — packing trajectories into rows, varlen attention, target log-probs
 * `distributed/` — data-parallel collectives, weight transport to rollout workers
 * `traj_grads/` — exact per-trajectory gradient norms and VCPO's two-buffer gradient

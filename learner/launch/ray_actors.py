@@ -207,9 +207,9 @@ class LearnerRank:
         self._group: WeightGroup | None = None
 
     def step(self, batch: StepInput) -> dict[str, Any]:
-        from learner.train.trainer import _step_and_trim
+        from learner.train.process import step_and_trim
 
-        return _step_and_trim(self.learner, batch)
+        return step_and_trim(self.learner, batch)
 
     def current_weights(self) -> WeightsHandle | None:
         """Rank 0: the current weights labelled with their version (a restarted worker's catch-up)."""

@@ -13,6 +13,7 @@ import torch
 
 from agent_env.datasets import load_samples
 from agent_env.heldout import HeldoutEvaluator, select_heldout
+from agent_env.runtime import TaskRuntime, episode_settings
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
 from learner.backends.torch_learner import TorchLearner
@@ -21,7 +22,7 @@ from learner.forward.fused_layers import resolve as resolve_fused_elementwise
 from learner.forward.logprobs import autocast_dtype
 from learner.forward.varlen_attention import register_varlen_sdpa
 from learner.train.compose import task_runtime
-from learner.train.trainer import TaskRuntime, TrainSummary, episode_settings, train
+from learner.train.trainer import TrainSummary, train
 
 log = logging.getLogger(__name__)
 

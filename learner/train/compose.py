@@ -18,9 +18,9 @@ from pydantic import TypeAdapter, ValidationError
 import configs
 from agent_env.datasets import load_samples
 from agent_env.rewards import RewardConfigError, build_reward
+from agent_env.runtime import TaskRuntime
 from configs.loader import ConfigError
 from configs.task_schema import TaskConfig, load_task_config
-from learner.train.trainer import TaskRuntime
 from rollout.settings import EngineSettings
 from tools.base import ToolConfigError, has_sessions
 from tools.registry import build_tool, validate_tool_settings

@@ -12,22 +12,20 @@ and every `checkpoint_every` steps write an atomic checkpoint (model, optimizer,
 position, unconsumed groups and slots in flight). A resumed run restarts from the newest complete
 checkpoint with the same lag bound, and no group is lost or used twice (rollout/manager.py).
 
-What it does not do: read config files (the CLI does) or know any engine/tool/task specifics.
+What it does not do: read config files (the CLI does), run episodes or groups (agent_env/runtime.py)
+or know any engine/tool/task specifics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import json
 import logging
 import os
 import random
-import resource
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,15 +34,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from agent_env.heldout import HeldoutChange, HeldoutEvaluator, HeldoutResult, falling_warning, paired_change
-from agent_env.loop import Episode, EpisodeSettings, run_episode
-from agent_env.prompts import render_messages, render_prompt_ids
-from agent_env.samples import Sample
+from agent_env.runtime import RolloutRuntime
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
 from learner.backends.torch_learner import StepInput
 from learner.observability import metric_names as names
+from learner.observability.live_activity import LiveActivity, ticking
 from learner.observability.metrics_log import MetricsLogger
-from learner.observability.progress import ProgressLine, format_activity
+from learner.observability.progress import ProgressLine
+from learner.observability.trajectory_log import TrajectoryLog
 from learner.observability.trend import LearningSignal
 from learner.train.checkpointing import (
     latest_checkpoint,
@@ -53,124 +51,17 @@ from learner.train.checkpointing import (
     rng_state,
     save_checkpoint,
 )
-from rollout.base import InferenceEngine
+from learner.train.process import process_cpu_seconds, step_and_trim
 from rollout.errors import EngineUnavailable
-from rollout.manager import GroupTicket, RolloutManager, RunGroup, WeightTarget
+from rollout.manager import GroupTicket, RolloutManager
 from rollout.openmp import release_openmp_threads
-from rollout.progress import SAMPLED_TOKENS
 from rollout.trajectory import Trajectory
-from tools.base import Tool, ToolUnavailableError
+from tools.base import ToolUnavailableError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
-
-
-def data_index(position: int, num_samples: int, seed: int) -> int:
-    """The sample used at data position `position`: a fresh seeded permutation per epoch."""
-    epoch, offset = divmod(position, num_samples)
-    order = list(range(num_samples))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return order[offset]
-
-
-def episode_settings(task: TaskConfig, seed: int | None = None, *, for_eval: bool = False) -> EpisodeSettings:
-    """The agent loop's settings from a task (training, or its eval overrides)."""
-    loop = task.loop
-    return EpisodeSettings(
-        max_turns=task.eval.max_turns if for_eval else loop.max_turns,
-        max_total_tokens=(task.eval.max_total_tokens or loop.max_total_tokens) if for_eval
-        else loop.max_total_tokens,
-        max_new_tokens_per_turn=loop.max_new_tokens_per_turn,
-        temperature=task.eval.temperature if for_eval else loop.temperature,
-        top_p=task.eval.top_p if for_eval else loop.top_p,
-        answer_pattern=task.answer.pattern,
-        observation_format=loop.observation_format,
-        max_observation_chars=loop.max_observation_chars,
-        preamble=loop.preamble,
-        use_session=loop.use_session,
-        seed=seed,
-    )
-
-
-@dataclass(frozen=True)
-class LiveCounts:
-    """What the rollout side has done so far in this process (running totals)."""
-
-    episodes_finished: int
-    episodes_running: int
-    tokens_sampled: int
-
-
-@dataclass
-class TaskRuntime:
-    """Everything needed to run episodes of one task (built by the composition root)."""
-
-    task: TaskConfig
-    samples: Sequence[Sample]
-    reward: Callable[[str, Sample], Any]
-    tokenizer: PreTrainedTokenizerBase
-    engine: InferenceEngine
-    tool: Tool | None
-    skipped_samples: int = 0
-    reward_errors: int = 0
-    """Episodes whose reward function failed (scored 0, counted, never fatal)."""
-    prompt_cache: dict[str, list[int]] = field(default_factory=dict)
-    episodes_running: int = 0
-    episodes_finished: int = 0
-
-    def prompt_ids(self, sample: Sample) -> list[int]:
-        if sample.sample_id not in self.prompt_cache:
-            messages = render_messages(self.task.prompt.system, self.task.prompt.user, sample)
-            self.prompt_cache[sample.sample_id] = render_prompt_ids(self.tokenizer, messages)
-        return self.prompt_cache[sample.sample_id]
-
-    async def episode(self, sample: Sample, settings: EpisodeSettings, trajectory_id: str,
-                      group_id: str) -> Episode:
-        self.episodes_running += 1
-        try:
-            episode = await run_episode(
-                self.engine, self.tokenizer, self.prompt_ids(sample), settings,
-                lambda text: self.reward(text, sample), tool=self.tool, trajectory_id=trajectory_id,
-                group_id=group_id, task_name=self.task.name, sample_id=sample.sample_id)
-        finally:
-            self.episodes_running -= 1
-        self.episodes_finished += 1
-        if getattr(episode.reward_info, "error", None):
-            self.reward_errors += 1
-        return episode
-
-    def live_counts(self) -> LiveCounts:
-        """Episodes finished and running, tokens sampled: for the live progress line, not a metric."""
-        return LiveCounts(self.episodes_finished, self.episodes_running, SAMPLED_TOKENS.count)
-
-    def group_runner(self, group_size: int, seed: int) -> RunGroup:
-        """The rollout manager's `run_group`: `group_size` episodes of the ticket's prompt, here."""
-        return _group_runner(self, group_size, seed)
-
-    def counters(self) -> dict[str, float]:
-        """Running totals logged every step."""
-        return {"rollout/skipped_samples": self.skipped_samples, "rollout/reward_errors": self.reward_errors}
-
-
-class RolloutRuntime(Protocol):
-    """What `train` needs of the rollout side: a `TaskRuntime` here, or the Ray launcher's pool of
-    rollout actors (learner/launch/ray_launcher.py)."""
-
-    task: TaskConfig
-    tokenizer: PreTrainedTokenizerBase
-
-    @property
-    def engine(self) -> WeightTarget: ...
-
-    def group_runner(self, group_size: int, seed: int) -> RunGroup: ...
-
-    def counters(self) -> dict[str, float]: ...
-
-    def live_counts(self) -> LiveCounts | None:
-        """Running totals for the live progress line; None where they are not known here (Ray)."""
-        ...
 
 
 class Learner(Protocol):
@@ -187,103 +78,6 @@ class Learner(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def save_pretrained(self, path: Path) -> None: ...
-
-
-def _refill_tag(ticket: GroupTicket) -> str:
-    """'' for a slot's own group, 'rN' for the N-th refill of its batch (dynamic sampling): distinct ids."""
-    return f"r{ticket.refill}" if ticket.refill else ""
-
-
-def _group_runner(runtime: TaskRuntime, group_size: int, seed: int) -> RunGroup:
-    settings = episode_settings(runtime.task)
-
-    async def run_group(ticket: GroupTicket) -> list[Trajectory]:
-        sample = runtime.samples[data_index(ticket.prompt_position, len(runtime.samples), seed)]
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(runtime.episode(
-                sample, settings, f"g{ticket.group_index}.{ticket.attempt}{_refill_tag(ticket)}.{member}",
-                str(ticket.group_index))) for member in range(group_size)]
-        return [task.result().trajectory for task in tasks]
-
-    return run_group
-
-
-class LiveActivity:
-    """Between step lines, the progress line shows what the current step is doing (`activity` ticks
-    every `tick_s`): waiting for rollouts — episodes finished and running, tokens sampled since the
-    phase began — or the learner step, or the weight push. A step of a long-horizon task can take
-    many minutes on a CPU, and a display that moves only when a step ends looks hung."""
-
-    def __init__(self, display: ProgressLine, runtime: RolloutRuntime, episodes_per_step: int,
-                 tick_s: float = 1.0) -> None:
-        self.display, self.runtime, self.tick_s = display, runtime, tick_s
-        self.episodes_per_step = episodes_per_step
-        self.step, self.phase = 0, "starting"
-        self._since = time.monotonic()
-        self._start_counts: LiveCounts | None = self._counts()
-
-    def _counts(self) -> LiveCounts | None:
-        return self.runtime.live_counts()
-
-    def begin(self, step: int, phase: str) -> None:
-        self.step, self.phase, self._since = step, phase, time.monotonic()
-        self._start_counts = self._counts()
-
-    def text(self) -> str:
-        since = time.monotonic() - self._since
-        now, start = self._counts(), self._start_counts
-        if self.phase != "rollouts" or now is None or start is None:
-            return format_activity(self.step, phase=self.phase, since_s=since)
-        return format_activity(self.step, phase="rollouts", since_s=since,
-                               episodes_done=now.episodes_finished - start.episodes_finished,
-                               episodes_total=self.episodes_per_step, episodes_running=now.episodes_running,
-                               tokens=now.tokens_sampled - start.tokens_sampled)
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.tick_s)
-            self.display.activity(self.text())
-
-
-class TrajectoryLog:
-    """run_dir/trajectories.jsonl: one line per trajectory the learner consumed, written (and fsynced)
-    at each step; on resume from step S the lines of later steps and a torn last line are dropped."""
-
-    def __init__(self, path: Path, tokenizer: PreTrainedTokenizerBase, resume_from_step: int) -> None:
-        self.path, self.tokenizer = path, tokenizer
-        kept = []
-        if path.is_file():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    break
-                if record["step"] <= resume_from_step:
-                    kept.append(line)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, path)
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-
-    def write(self, step: int, groups: Sequence[tuple[GroupTicket, list[Trajectory]]], version: int) -> None:
-        for ticket, members in groups:
-            for trajectory in members:
-                mask = trajectory.loss_mask
-                first = mask.index(True) if any(mask) else len(trajectory.token_ids)
-                self._file.write(json.dumps({
-                    "step": step, "group": ticket.group_index, "prompt_position": ticket.prompt_position,
-                    "sample_id": trajectory.task.sample_id, "reward": trajectory.reward,
-                    "lag": version - trajectory.versions.start,
-                    "versions": [trajectory.versions.start, trajectory.versions.end],
-                    "turns": trajectory.task.turns, "tool_calls": trajectory.task.tool_calls,
-                    "tool_errors": trajectory.task.tool_errors, "truncated": trajectory.task.is_truncated,
-                    "text": self.tokenizer.decode(trajectory.token_ids[first:], skip_special_tokens=False),
-                }) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-
-    def close(self) -> None:
-        self._file.close()
 
 
 def has_signal(trajectories: Sequence[Trajectory]) -> bool:
@@ -324,31 +118,6 @@ def rollout_metrics(batch: StepInput) -> dict[str, float]:
     }
 
 
-def process_cpu_seconds() -> float:
-    """CPU seconds (user + system) used so far by this process's threads and its finished children
-    (sandboxed tool calls): `time/cpu` per step, against `time/step` × cores, says how busy the
-    machine was — what overlap (k > 0) can still gain (`vcpo bench async`)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-def _step_and_trim(learner: Learner, batch: StepInput) -> dict[str, Any]:
-    """One learner step, then hand freed heap pages back to the OS (glibc `malloc_trim`; a no-op
-    elsewhere): a step's transient activations are GBs the engine may need before the next step; and end
-    this thread's docked OpenMP team, which would throttle the engine's while the learner waits
-    (rollout/openmp.py)."""
-    try:
-        return learner.step(batch)
-    finally:
-        _malloc_trim()
-        release_openmp_threads()
-
-
-def _malloc_trim() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 def export_model(learner: Learner, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> Path:
     """The trained policy as an HF directory (safetensors + tokenizer) for `vcpo eval --model`, any
     engine or the hub; written beside and renamed into place, so a reader never sees half of it."""
@@ -359,21 +128,6 @@ def export_model(learner: Learner, tokenizer: PreTrainedTokenizerBase, out_dir: 
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
-
-
-@contextlib.asynccontextmanager
-async def _ticking(live: LiveActivity | None) -> Any:
-    """Run `live`'s ticker for the duration of the block (nothing when there is no display)."""
-    if live is None:
-        yield
-        return
-    task = asyncio.create_task(live.run())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 @dataclass
@@ -479,7 +233,7 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
         live = None
         if display is not None:
             live = LiveActivity(display, runtime, rollout.groups_per_step * config.algo.group_size)
-        async with manager, _ticking(live):
+        async with manager, ticking(live):
             if heldout is not None and trainer.eval_every > 0 and metrics_log.last_step is None:
                 # the policy RL starts from (after the warm start), logged as trainer_step 0
                 evaluations.append(await _evaluate(heldout, 0, live, display))
@@ -501,7 +255,7 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                 if live is not None:
                     live.begin(step + 1, "learner step")
                 tick = time.perf_counter()
-                metrics = await asyncio.get_running_loop().run_in_executor(learner_thread, _step_and_trim,
+                metrics = await asyncio.get_running_loop().run_in_executor(learner_thread, step_and_trim,
                                                                            learner, batch)
                 train_s = time.perf_counter() - tick
                 if live is not None:

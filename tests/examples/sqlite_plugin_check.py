@@ -22,8 +22,8 @@ from agent_env.datasets import load_samples
 from agent_env.loop import run_episode
 from agent_env.prompts import render_messages, render_prompt_ids
 from agent_env.rewards import build_reward
+from agent_env.runtime import episode_settings
 from learner.train.compose import load_task
-from learner.train.trainer import episode_settings
 from rollout.engines.hf_engine import HFEngine
 from tools.base import ToolCall
 from tools.registry import build_tool, known_tools

@@ -1,5 +1,5 @@
-"""The trainer's learner thread ends its OpenMP team after every step (learner/train/trainer.py
-`_step_and_trim`, rollout/openmp.py): an engine generating while the learner waits is not throttled."""
+"""The trainer's learner thread ends its OpenMP team after every step (learner/train/process.py
+`step_and_trim`, rollout/openmp.py): an engine generating while the learner waits is not throttled."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ _PROBE = textwrap.dedent("""
     import json, os
     from concurrent.futures import ThreadPoolExecutor
     import torch
-    from learner.train.trainer import _step_and_trim
+    from learner.train.process import step_and_trim
 
     torch.set_num_threads(2)
 
@@ -26,7 +26,7 @@ _PROBE = textwrap.dedent("""
     with ThreadPoolExecutor(max_workers=1) as pool:
         pool.submit(lambda: None).result()
         idle = threads()
-        metrics = pool.submit(_step_and_trim, Learner(), None).result()
+        metrics = pool.submit(step_and_trim, Learner(), None).result()
         after = threads()
     print(json.dumps({"idle": idle, "in_step": metrics["threads_in_step"], "after": after}))
 """)

@@ -210,8 +210,9 @@ def test_the_terminal_shows_our_progress_and_the_libraries_go_to_the_run_log(tmp
 
 
 def test_the_live_line_counts_this_phases_episodes_and_tokens() -> None:
+    from agent_env.runtime import LiveCounts
+    from learner.observability.live_activity import LiveActivity
     from learner.observability.progress import ProgressLine
-    from learner.train.trainer import LiveActivity, LiveCounts
 
     class Runtime:
         counts = LiveCounts(episodes_finished=5, episodes_running=3, tokens_sampled=1000)

@@ -1,0 +1,57 @@
+"""run_dir/trajectories.jsonl (`trainer.save_trajectories`): every trajectory the learner trained on,
+as text with its step, group, reward, lag and turn counts (`TrajectoryLog`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rollout.manager import GroupTicket
+from rollout.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class TrajectoryLog:
+    """run_dir/trajectories.jsonl: one line per trajectory the learner consumed, written (and fsynced)
+    at each step; on resume from step S the lines of later steps and a torn last line are dropped."""
+
+    def __init__(self, path: Path, tokenizer: PreTrainedTokenizerBase, resume_from_step: int) -> None:
+        self.path, self.tokenizer = path, tokenizer
+        kept = []
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    break
+                if record["step"] <= resume_from_step:
+                    kept.append(line)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+
+    def write(self, step: int, groups: Sequence[tuple[GroupTicket, list[Trajectory]]], version: int) -> None:
+        for ticket, members in groups:
+            for trajectory in members:
+                mask = trajectory.loss_mask
+                first = mask.index(True) if any(mask) else len(trajectory.token_ids)
+                self._file.write(json.dumps({
+                    "step": step, "group": ticket.group_index, "prompt_position": ticket.prompt_position,
+                    "sample_id": trajectory.task.sample_id, "reward": trajectory.reward,
+                    "lag": version - trajectory.versions.start,
+                    "versions": [trajectory.versions.start, trajectory.versions.end],
+                    "turns": trajectory.task.turns, "tool_calls": trajectory.task.tool_calls,
+                    "tool_errors": trajectory.task.tool_errors, "truncated": trajectory.task.is_truncated,
+                    "text": self.tokenizer.decode(trajectory.token_ids[first:], skip_special_tokens=False),
+                }) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
