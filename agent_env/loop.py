@@ -38,7 +38,7 @@ from agent_env.turns import (
 from rollout.base import InferenceEngine
 from rollout.errors import GenerationAborted
 from rollout.trajectory import TaskInfo, Trajectory, TrajectoryBuilder, TrajectoryTimings
-from rollout.types import FinishReason, GenerationRequest, SamplingParams
+from rollout.types import DEFAULT_TEMPERATURE, FinishReason, GenerationRequest, SamplingParams
 from tools.base import Tool, ToolCall, ToolResult, ToolSession, ToolUnavailableError, code_fence_of
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class EpisodeSettings:
     """Budget for prompt + every turn + observations; exhausting it sets `is_truncated`."""
     max_new_tokens_per_turn: int = 1024
     """Most tokens one turn may generate."""
-    temperature: float = 1.0
+    temperature: float = DEFAULT_TEMPERATURE
     top_p: float = 1.0
     answer_pattern: str = "boxed"
     """'boxed' or a regex with one group (see agent_env.turns.find_answer)."""

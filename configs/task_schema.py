@@ -153,6 +153,7 @@ class LoopConfig(StrictModel):
     """Python code prepended to every executed block (e.g. helper imports); "" = none."""
     use_session: bool = False
     """Keep one interpreter per episode (variables survive between turns); False = fresh process per call."""
+    # rollout.types.DEFAULT_TEMPERATURE spelled out (configs imports nothing); tests/configs keeps them equal
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature of rollouts; 0 = greedy."""
     top_p: float = Field(1.0, gt=0, le=1)

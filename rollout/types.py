@@ -31,12 +31,18 @@ to stop (abort, cancel, a server-side abort); error: recorded by callers that ke
 as data (engines raise typed errors instead)."""
 
 
+DEFAULT_TEMPERATURE = 1.0
+"""The sampling temperature T where none is given, in every signature that takes one: the engine samples
+from softmax(logits / T) and the learner must recompute log-probs at the same T, so a default that
+differed anywhere on the way would silently train on the wrong log-probs."""
+
+
 class SamplingParams(StrictFrozenModel):
     """How to sample one request."""
 
     max_new_tokens: int = Field(256, gt=0)
     """Most tokens to generate (finish_reason='length' when reached)."""
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(DEFAULT_TEMPERATURE, ge=0)
     """Softmax temperature; 0 = greedy (argmax)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass; 1 = off. Below 1 the behaviour logprobs are of the truncated distribution."""

@@ -62,6 +62,7 @@ from learner.traj_grads.opob_grad import (
     accumulate_opob_grad_per_trajectory,
 )
 from rollout.trajectory import Trajectory
+from rollout.types import DEFAULT_TEMPERATURE
 from vcpo.groups import index_groups, single_group
 from vcpo.objectives import BatchContext, PolicyLossInputs
 from vcpo.step_size import StepSizeInputs
@@ -97,7 +98,7 @@ class TorchLearner:
     """Owns the trained model, its optimizer and the algorithm objects (see the module docstring)."""
 
     def __init__(self, model: nn.Module, algo: AlgoConfig, optim: OptimConfig, *, micro_batch_tokens: int,
-                 temperature: float = 1.0, autocast_dtype: torch.dtype | None = None,
+                 temperature: float = DEFAULT_TEMPERATURE, autocast_dtype: torch.dtype | None = None,
                  autocast_proximal: bool = False, data_parallel: DataParallel | None = None,
                  proximal: Literal["separate", "reuse", "auto"] = "separate",
                  share_prompts: bool = False, fused_elementwise: bool = False) -> None:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from learner.forward.packing import PackedMicroBatch, SharedPrefixLayout
 from learner.forward.varlen_attention import VARLEN_SDPA
+from rollout.types import DEFAULT_TEMPERATURE
 
 PACKING_AWARE_ATTENTION = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3", VARLEN_SDPA})
 """Attention implementations that keep packed trajectories apart given restarting `position_ids`
@@ -103,8 +104,8 @@ def check_packing_aware(model: nn.Module) -> None:
 
 
 def packed_target_logprobs(
-    model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Tensor | None = None, temperature: float = 1.0,
-    *, layout: SharedPrefixLayout | None = None,
+    model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Tensor | None = None,
+    temperature: float = DEFAULT_TEMPERATURE, *, layout: SharedPrefixLayout | None = None,
 ) -> Tensor:
     """Log-probabilities of the targets of `batch` under `model`, one forward pass.
 
@@ -161,7 +162,7 @@ def trajectory_logliks(target_logprobs: Tensor, batch: PackedMicroBatch) -> Tens
 
 
 def packed_target_stats(
-    model: nn.Module, batch: PackedMicroBatch, temperature: float = 1.0, *,
+    model: nn.Module, batch: PackedMicroBatch, temperature: float = DEFAULT_TEMPERATURE, *,
     layout: SharedPrefixLayout | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(log π(target), Σ_v π(v)²) at the targets of `batch`, one forward pass, no gradients: the

@@ -32,6 +32,7 @@ from learner.traj_grads.handlers import (
     MicroBatchState,
     RMSNormHandler,
 )
+from rollout.types import DEFAULT_TEMPERATURE
 
 PER_TRAJECTORY_HINT = "freeze it (requires_grad=False) or use accumulate_opob_grad_per_trajectory"
 
@@ -55,7 +56,7 @@ class PackedGradHooks:
     """Per-trajectory gradient hooks on `model` while the context is active (see module docstring)."""
 
     def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None,
-                 temperature: float = 1.0) -> None:
+                 temperature: float = DEFAULT_TEMPERATURE) -> None:
         if getattr(model, "is_gradient_checkpointing", False):
             raise ValueError(
                 "gradient checkpointing is on; the packed per-trajectory path needs one forward per "

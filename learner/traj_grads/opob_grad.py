@@ -51,6 +51,7 @@ from learner.forward.packing import PackedMicroBatch
 from learner.traj_grads.buffers import GroupBuffers, grad_of
 from learner.traj_grads.handlers import ApplyPlan, MicroBatchState
 from learner.traj_grads.hooks import PackedGradHooks
+from rollout.types import DEFAULT_TEMPERATURE
 
 BaselineFn = Callable[[int, Tensor, Tensor], float]
 """`baseline_fn(group_id, member_indices (m,) long ascending, sq_norms (m,) fp32) -> b*_g`.
@@ -180,7 +181,7 @@ def accumulate_opob_grad_packed(
     *,
     dense_cost_flops: float | None = None,
     autocast_dtype: torch.dtype | None = None,
-    temperature: float = 1.0,
+    temperature: float = DEFAULT_TEMPERATURE,
     coefficients_from_logprobs: CoefficientsFn | None = None,
 ) -> OpobGradResult:
     """OPOB gradient on packed micro-batches: one forward and one backward each, exact norms.
@@ -248,7 +249,8 @@ def _apply_plan(state: MicroBatchState, closing: list[int], baselines: dict[int,
 
 
 def _trajectory_grads(model: nn.Module, single: PackedMicroBatch, params: list[nn.Parameter],
-                      autocast_dtype: torch.dtype | None = None, temperature: float = 1.0) -> list[Tensor]:
+                      autocast_dtype: torch.dtype | None = None,
+                      temperature: float = DEFAULT_TEMPERATURE) -> list[Tensor]:
     """`∇ℓ` of a one-trajectory micro-batch for `params` by plain autograd (zeros where unused)."""
     if single.target_positions.numel() == 0:
         return [torch.zeros_like(p) for p in params]
@@ -269,7 +271,7 @@ def accumulate_opob_grad_per_trajectory(
     *,
     rank_sq_norm: RankSqNorm | None = None,
     autocast_dtype: torch.dtype | None = None,
-    temperature: float = 1.0,
+    temperature: float = DEFAULT_TEMPERATURE,
 ) -> OpobGradResult:
     """The reference OPOB gradient: one forward/backward per trajectory, two buffers.
 

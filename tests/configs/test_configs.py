@@ -110,6 +110,15 @@ def test_every_objective_config_default_is_the_registry_default(kind: str) -> No
     assert build_objective(algo) == OBJECTIVES[kind]()
 
 
+def test_the_task_loop_default_temperature_is_the_one_every_signature_defaults_to() -> None:
+    """configs imports nothing, so the task schema spells the default out: it must be the engine's and the
+    learner's default (rollout.types), or a run would sample at one temperature and score at another."""
+    from configs.task_schema import LoopConfig
+    from rollout.types import DEFAULT_TEMPERATURE
+
+    assert LoopConfig().temperature == DEFAULT_TEMPERATURE
+
+
 @pytest.mark.parametrize(
     ("objective", "field"),
     [

@@ -56,6 +56,7 @@ from learner.backends.torch_learner import TorchLearner, lr_at
 from learner.distributed.data_parallel import DataParallel
 from learner.forward.packing import PackedMicroBatch
 from learner.traj_grads.opob_grad import BaselineFn, accumulate_opob_grad_per_trajectory, squared_sum
+from rollout.types import DEFAULT_TEMPERATURE
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,8 @@ class MegatronLearner(TorchLearner):
     `init_model_parallel` first; `device`: this rank's device (its CUDA device on GPUs)."""
 
     def __init__(self, hf_dir: str | Path, algo: AlgoConfig, optim: OptimConfig, megatron: MegatronConfig, *,
-                 micro_batch_tokens: int, temperature: float = 1.0, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 micro_batch_tokens: int, temperature: float = DEFAULT_TEMPERATURE,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
