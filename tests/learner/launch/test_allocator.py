@@ -60,4 +60,4 @@ def test_find_tcmalloc_takes_the_first_pattern_that_names_a_file(tmp_path: Path)
 def test_the_installed_script_and_python_m_go_through_the_allocator_choice() -> None:
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["vcpo"] == "cli:console"
-    assert "console()" in (ROOT / "learner" / "cli" / "__main__.py").read_text()
+    assert "console()" in (ROOT / "cli" / "__main__.py").read_text()
