@@ -309,6 +309,29 @@ def bench_engine(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bench_async(data: dict[str, Any]) -> str:
+    """`vcpo bench async`: per lag bound k its wall time, steady steps and steady step time, the steady
+    speedup over k = 0 (raw and on k = 0's mix of steps), generation and training time per steady step, the
+    cores' utilisation and the lag seen; then the bound that overlap and the cores allow."""
+    lines = ["| k | wall | steady steps | steady step | speedup over k = 0: steady / on k = 0's mix | "
+             "generate / train per steady step | CPU busy | mean / max lag |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in data["rows"]:
+        steady, n = row["steady"], max(1, row["steady"]["steps"])
+        mixed = row.get("mixed_speedup_vs_k0")
+        on_mix = "—" if mixed is None else f"{mixed:.2f}"
+        lines.append(f"| {row['max_lag']} | {row['wall_s']:.0f} s | {steady['steps']} | "
+                     f"{row['steady_step_s']:.1f} s | {row['steady_speedup_vs_k0']:.2f} / {on_mix} | "
+                     f"{steady['generate_s'] / n:.1f} / {steady['train_s'] / n:.1f} s | "
+                     f"{100 * row['steady_utilization']:.0f}% | {row['mean_lag']:.2f} / "
+                     f"{row['max_lag_seen']:.0f} |")
+    bound = data["overlap_bound"]
+    lines.append(f"\nBounds from k = 0's steady steps: full overlap of generation and training "
+                 f"{bound['by_overlap']:.2f}×, the cores (1 / utilisation) {bound['by_cores']:.2f}×. "
+                 f"{data['steps']} steps per k; host {_host(data['host'])}.")
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "staleness_ten_seeds": staleness_ten_seeds,
     "staleness_matrix": staleness_matrix,
@@ -320,6 +343,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "bench_learner": bench_learner,
     "bench_opob": bench_opob,
     "bench_engine": bench_engine,
+    "bench_async": bench_async,
 }
 
 
