@@ -46,9 +46,13 @@ BENCH_SCHEMAS: dict[str, type] = {"opob": OpobBenchConfig, "async": AsyncBenchCo
 """benchmarks/configs/<name>.yaml (or a preset <name>_<variant>.yaml) → the schema of `vcpo bench <name>`."""
 
 
+def _in_bench_configs(path: Path) -> bool:
+    return Path(path).resolve().parent == BENCH_CONFIG_ROOT
+
+
 def is_bench_config(path: Path) -> bool:
     """Whether `path` is one of the shipped benchmark configs (benchmarks/configs/), with a known schema."""
-    return Path(path).resolve().parent == BENCH_CONFIG_ROOT and bench_schema_of(Path(path)) is not None
+    return _in_bench_configs(path) and bench_schema_of(Path(path)) is not None
 
 
 def bench_schema_of(path: Path) -> type | None:
@@ -57,6 +61,7 @@ def bench_schema_of(path: Path) -> type | None:
         if path.stem == name or path.stem.startswith(name + "_"):
             return BENCH_SCHEMAS[name]
     return None
+
 
 def check_task_config(path: str | Path, overrides: Sequence[str] = ()) -> TaskConfig:
     """Load a task YAML and check what its schema cannot (`learner.train.compose.load_task`: the tool
@@ -93,7 +98,7 @@ def check_run_config(path: Path) -> RunConfig:
 def validate_shipped_file(path: Path) -> Any:
     """Validate a shipped YAML file: a benchmark's with its bench schema, one under configs/ with the schema
     of its first sub-folder (else a run)."""
-    if Path(path).resolve().parent == BENCH_CONFIG_ROOT:
+    if _in_bench_configs(path):
         schema = bench_schema_of(Path(path))
         if schema is None:
             raise ConfigError(str(path), [f"no `vcpo bench` is named like this file; name it after one of "

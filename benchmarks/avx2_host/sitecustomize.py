@@ -8,30 +8,34 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any
 
 _OFF = ("avx512", "amx", "avx_vnni", "avx10")
 
 
-def _patch(torch_module):
-    cpu = sys.modules.get("torch.cpu") or __import__("torch.cpu").cpu
+def _patch(torch_module: ModuleType) -> None:
+    """torch.cpu's probes answer as on a CPU without the instruction sets in `_OFF`."""
+    cpu = torch_module.cpu
     for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported",
                  "_is_amx_fp16_supported", "_is_vnni_supported"):
         if hasattr(cpu, name):
             setattr(cpu, name, lambda: False)
     original = cpu.get_capabilities
 
-    def get_capabilities():
-        caps = dict(original())
-        for key in caps:
-            if key.startswith(_OFF):
-                caps[key] = False
-        return caps
+    def get_capabilities() -> dict[str, Any]:
+        return {key: False if key.startswith(_OFF) else value for key, value in original().items()}
 
     cpu.get_capabilities = get_capabilities
 
 
 class _TorchHook(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
+    """Patches torch right after its first import, then leaves the import system alone."""
+
+    def find_spec(self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
+                  ) -> ModuleSpec | None:
         if name != "torch":
             return None
         sys.meta_path.remove(self)
@@ -40,11 +44,11 @@ class _TorchHook(importlib.abc.MetaPathFinder):
             return spec
         original_exec = spec.loader.exec_module
 
-        def exec_module(module):
+        def exec_module(module: ModuleType) -> None:
             original_exec(module)
             _patch(module)
 
-        spec.loader.exec_module = exec_module
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
