@@ -2,7 +2,7 @@
 
 * `main_job` — the main job on its fixed seeds, the evidence of its claim (`main_job`)
 * `staleness` — methods × lag bounds × seeds on synthetic tasks with pre-taught policies
-  (`staleness`, `staleness_tasks`)
+  (`staleness/`: `bench`, `tasks`, `schema`)
 * `async` — wall time of one workload at several lag bounds (`asynchrony`, with `step_mix`)
 * `learner` — optimizer steps of each learner backend and their kernel floor (`learner_step`,
   `kernel_floor`, `workload`)
@@ -16,6 +16,8 @@
 
 May import: `vcpo`, `configs`, `tools`, `rollout`, `agent_env`, `learner`. The `vcpo` command above it
 imports a benchmark only when it runs one.
+
+Its top modules may import: `benchmarks.staleness` (the results page renders the staleness tables).
 """
 
 from pathlib import Path

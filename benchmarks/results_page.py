@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.staleness import mean_ci_text
+from benchmarks.staleness.bench import mean_ci_text
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = (ROOT / "docs" / "results.md", ROOT / "README.md")

@@ -20,8 +20,8 @@ from benchmarks.schema import (
     MainJobBenchConfig,
     OpobBenchConfig,
     SandboxBenchConfig,
-    StalenessBenchConfig,
 )
+from benchmarks.staleness.schema import StalenessBenchConfig
 from configs.loader import ConfigError, load_config, read_yaml_tree
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig

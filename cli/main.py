@@ -236,8 +236,8 @@ def _bench(args: argparse.Namespace) -> int:
         result = run_learner_bench(_bench_config(args, LearnerBenchConfig))
     elif args.name == "staleness":
         from benchmarks import BENCH_CONFIG_ROOT
-        from benchmarks.schema import StalenessBenchConfig
-        from benchmarks.staleness import run_staleness_bench
+        from benchmarks.staleness.bench import run_staleness_bench
+        from benchmarks.staleness.schema import StalenessBenchConfig
 
         if args.config is None:  # the methods and their lrs live in the shipped file
             args.config = BENCH_CONFIG_ROOT / "staleness.yaml"

@@ -13,9 +13,9 @@ import pytest
 import torch
 import yaml
 
-from benchmarks import BENCH_CONFIG_ROOT, staleness_tasks
-from benchmarks.schema import StalenessBenchConfig
-from benchmarks.staleness import (
+from benchmarks import BENCH_CONFIG_ROOT
+from benchmarks.staleness import tasks as staleness_tasks
+from benchmarks.staleness.bench import (
     choose_lrs,
     policy_digest,
     prepare,
@@ -23,6 +23,7 @@ from benchmarks.staleness import (
     run_staleness_bench,
     summarize_curves,
 )
+from benchmarks.staleness.schema import StalenessBenchConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -154,7 +155,7 @@ def test_the_paper_preset_reports_regime_diagnostics_bf16_numerics_and_resumes(t
 
 
 def test_the_lr_cap_stops_below_the_first_lr_that_loses_ess_or_collapses(tmp_path: Path) -> None:
-    from benchmarks.staleness import _lr_cap
+    from benchmarks.staleness.bench import _lr_cap
 
     bench = _bench(tmp_path, ess_floor=0.9)
 
@@ -171,7 +172,7 @@ def test_the_lr_cap_stops_below_the_first_lr_that_loses_ess_or_collapses(tmp_pat
 
 
 def _cell(method: str, lag: int, seeds: list[float]) -> dict:
-    from benchmarks.staleness import mean_interval
+    from benchmarks.staleness.bench import mean_interval
 
     mean, sd, half = mean_interval(seeds)
     return {"method": method, "lag": lag, "numerics": "matched", "status": "ok", "final_success": mean,
@@ -179,7 +180,7 @@ def _cell(method: str, lag: int, seeds: list[float]) -> dict:
 
 
 def test_retention_answers_loses_5_and_20_percent_with_welch_intervals_and_the_kept_gain() -> None:
-    from benchmarks.staleness import retention_table
+    from benchmarks.staleness.bench import retention_table
 
     summary = [_cell("a", 0, [0.431, 0.429, 0.43]), _cell("a", 32, [0.432, 0.43, 0.431]),
                _cell("a", 128, [0.20, 0.25, 0.22]), _cell("b", 0, [0.44, 0.30, 0.50]),
@@ -208,7 +209,7 @@ def test_the_committed_summary_is_what_the_committed_runs_give(tmp_path: Path, s
                                                                overrides: dict[str, object]) -> None:
     """docs/results/<summary> (the numbers docs/results.md quotes) is recomputed from the stored runs in
     docs/results/staleness_runs — every run reused, none trained — and must agree."""
-    from benchmarks import staleness
+    from benchmarks.staleness import bench as staleness
 
     stored = ROOT / "docs" / "results" / "staleness_runs"
     raw = yaml.safe_load((BENCH_CONFIG_ROOT / "staleness.yaml").read_text())

@@ -11,8 +11,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from benchmarks import staleness_tasks
-from benchmarks.schema import StalenessBenchConfig
+from benchmarks.staleness import tasks as staleness_tasks
+from benchmarks.staleness.schema import StalenessBenchConfig
 
 METHOD = [{"name": "m", "algo": {"objective": {"type": "seq_tis"}}, "lr": 1e-3}]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.schema import StalenessBenchConfig
+from benchmarks.staleness.schema import StalenessBenchConfig
 
 log = logging.getLogger(__name__)
 

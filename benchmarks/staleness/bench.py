@@ -5,7 +5,7 @@ Every run goes through the real pipeline of `vcpo train`: the rollout manager (i
 allows, independent of how fast engine and learner are), the HF engine, the agent loop, the reward,
 the torch learner with the method's objective and step-size rule, weight sync by version.
 
-Two presets (benchmarks/staleness_tasks.py has the tasks):
+Two presets (benchmarks/staleness/tasks.py has the tasks):
 
 * `benchmarks/configs/staleness.yaml` (the default, "paper-like"): a ~0.55M-parameter byte-level Llama
   pre-taught to spell letter ranges ("d-k" → "d, e, f, g, h, i, j, k"; answers of 14–65 tokens) to
@@ -48,8 +48,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from benchmarks import staleness_tasks
-from benchmarks.schema import StalenessBenchConfig, StalenessMethodConfig
+from benchmarks.staleness import tasks as staleness_tasks
+from benchmarks.staleness.schema import StalenessBenchConfig, StalenessMethodConfig
 from configs.schema import RunConfig
 from learner.launch.host import host_description
 from learner.observability import metric_names as names
@@ -111,7 +111,7 @@ def policy_digest(model_dir: Path) -> str:
 
 
 def success_probability(model_dir: Path, bench: StalenessBenchConfig) -> float:
-    """The policy's exact success probability on the evaluation prompts (staleness_tasks.py)."""
+    """The policy's exact success probability on the evaluation prompts (benchmarks/staleness/tasks.py)."""
     return staleness_tasks.success_probability(model_dir, bench)
 
 

@@ -1,0 +1,132 @@
+"""The `vcpo bench staleness` configurations: the methods compared and the matrix's presets (their
+files are benchmarks/configs/staleness*.yaml). Imports only pydantic and the run's schemas."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from configs.base import StrictModel
+from configs.schema import AlgoConfig
+
+
+class StalenessMethodConfig(StrictModel):
+    """One row of `vcpo bench staleness`: an objective + step-size rule and its own learning rate."""
+
+    name: str
+    """Row name in the tables and plots."""
+    algo: dict[str, Any]
+    """The run config's `algo` section for this method (objective, ess_lr, staleness_lr, ...);
+    `group_size` comes from the benchmark."""
+    lr: float = Field(gt=0)
+    """Peak learning rate of this method (chosen by the k = 0 sweep, see
+    benchmarks/configs/staleness.yaml)."""
+
+    @model_validator(mode="after")
+    def _valid_algo(self) -> StalenessMethodConfig:
+        AlgoConfig.model_validate({**self.algo, "group_size": 8})  # a bad method fails at load time
+        return self
+
+
+class StalenessBenchConfig(StrictModel):
+    """`vcpo bench staleness`: methods × lag bounds × seeds through the real asynchronous pipeline on
+    a tiny pre-taught policy (benchmarks/staleness/bench.py)."""
+
+    methods: list[StalenessMethodConfig] = Field(min_length=1)
+    """The compared methods (rows)."""
+    only: list[str] | None = None
+    """Run just these method names (the others keep their rows, marked not run); None = all."""
+    lags: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0, 4, 16, 64, 128])
+    """Lag bounds k; every batch lags by exactly min(k, step) (rollout.saturate_lag)."""
+    seeds: list[int] = Field(default_factory=lambda: [0, 1])
+    """Seeds per (method, k): the RL run's seed (sampling, data order); the pre-taught policy is shared."""
+    steps: int = Field(160, ge=1)
+    """Optimizer steps per run (the same budget for every method)."""
+    groups_per_step: int = Field(4, ge=1)
+    """Prompts per step."""
+    group_size: int = Field(8, ge=2)
+    """Samples per prompt."""
+    task: Literal["count", "alphabet", "addition"] = "count"
+    """The verifiable task (benchmarks/staleness/tasks.py):
+    'alphabet' — "d-g" → "d, e, f, g" (the paper
+    preset, with `separator`), 'count' — "17-41" → "17 18 … 41": long variable answers, held-out
+    evaluation prompts; 'addition' — "a+b=" → the sum, 1–2 answer tokens (the tiny preset)."""
+    separator: str = Field(", ", min_length=1, max_length=4, pattern=r"^[^a-z]+$")
+    """alphabet: what stands between two letters of an answer (1 byte-level token per character)."""
+    max_operand: int = Field(4, ge=1, le=99)
+    """addition: a, b in 0..max_operand."""
+    count_min: int = Field(4, ge=1, le=90)
+    """count / alphabet: fewest numbers (letters) in an answer, 3 tokens each."""
+    count_max: int = Field(22, ge=1, le=90)
+    """count / alphabet: most numbers (letters) in an answer (alphabet: at most 26, so a range names one
+    answer)."""
+    eval_fraction: float = Field(0.2, gt=0, lt=1)
+    """count: share of the (start, count) pairs held out for evaluation (never trained on)."""
+    split_seed: int = 0
+    """count: seed of the train/evaluation split."""
+    pretrain_success: float = Field(0.3, gt=0, lt=1)
+    """Pre-teaching (supervised, on right answers) stops once the policy's exact success probability on
+    the evaluation prompts reaches this, so RL starts from a policy that is right this often."""
+    pretrain_steps: int = Field(2000, ge=1)
+    """Most Adam steps of the pre-teaching (addition: full batch; count: minibatches)."""
+    pretrain_lr: float = Field(3e-3, gt=0)
+    """count: Adam lr of the pre-teaching."""
+    pretrain_batch: int = Field(64, ge=1)
+    """count: answers per pre-teaching minibatch."""
+    hidden_size: int = Field(64, ge=8)
+    """Width of the tiny Llama policy."""
+    num_layers: int = Field(2, ge=1)
+    """Depth of the tiny Llama policy."""
+    intermediate_size: int | None = Field(None, ge=8)
+    """MLP width of the policy; None = 2 × hidden_size."""
+    numerics: list[Literal["matched", "bf16_engine"]] = Field(default_factory=lambda: ["matched"])
+    """Engine/learner numerics per run: 'matched' — both fp32, so w = 1 exactly at k = 0; 'bf16_engine' —
+    the engine samples in bf16 while the learner trains in fp32, so w ≠ 1 even at k = 0, as on GPUs."""
+    numerics_lags: list[Annotated[int, Field(ge=0)]] | None = None
+    """Lags at which the 'bf16_engine' numerics run (None = every lag)."""
+    ess_floor: float = Field(0.9, gt=0, le=1)
+    """lr_sweep: the grid stops at the largest lr at which `cap_method` keeps a median ESS ratio ≥ this
+    at k = 1 without collapsing (small per-step moves, as in LLM RL; a collapsed policy's ESS is 1)."""
+    cap_method: str = "seq_tis"
+    """lr_sweep: the method whose k = 1 ESS caps the grid."""
+    common_lr: float | None = Field(None, gt=0)
+    """matrix: run every method at this lr instead of its own (robustness and step size unconfounded)."""
+    workers: int = Field(2, ge=1)
+    """Runs in parallel (one process and one CPU thread each)."""
+    device: str = "cpu"
+    """torch device of every run's learner and engine: 'cpu', or 'cuda' / 'cuda:N' (the workers share
+    it). Part of a stored run's key when not 'cpu': a GPU run is never reused for a CPU one."""
+    collapse_fraction: float = Field(0.5, gt=0, lt=1)
+    """A run has collapsed at the first step whose trailing-10-step reward falls below this share of
+    its first 10 steps' reward (or whose loss / grad norm is not finite)."""
+    lr_grid: list[Annotated[float, Field(gt=0)]] = Field(
+        default_factory=lambda: [1e-4, 3e-4, 1e-3, 3e-3])
+    """Learning rates tried by `mode: lr_sweep`."""
+    sweep_seed: int = 1000
+    """Seed of the lr sweep (not one of `seeds`, so the lr is not chosen on the reported runs)."""
+    mode: Literal["matrix", "lr_sweep"] = "matrix"
+    """matrix: the full table; lr_sweep: `cap_method` at k = 1 with every lr in lr_grid (the grid's cap:
+    median ESS ≥ ess_floor), then each method at k = 0 with every lr up to the cap (seed `sweep_seed`)."""
+    run_root: str = "runs/bench-staleness"
+    """Where the policy, the task, every run directory and the plots go."""
+    results_dir: str | None = None
+    """Where each finished run's row is stored and found again (resume); None = run_root/results."""
+
+    @model_validator(mode="after")
+    def _check(self) -> StalenessBenchConfig:
+        names = [method.name for method in self.methods]
+        if len(set(names)) != len(names):
+            raise ValueError(f"methods: duplicate names in {names}; give every method its own name")
+        unknown = sorted(set(self.only or ()) - set(names))
+        if unknown:
+            raise ValueError(f"only: {unknown} are not method names; valid: {names}")
+        if self.count_min > self.count_max:
+            raise ValueError(f"count_min={self.count_min} > count_max={self.count_max}; "
+                             "make count_min ≤ count_max")
+        if self.task == "alphabet" and self.count_max > 26:
+            raise ValueError(f"count_max={self.count_max}: an alphabet range holds at most 26 letters; "
+                             "make count_max ≤ 26")
+        if self.mode == "lr_sweep" and self.cap_method not in names:
+            raise ValueError(f"cap_method={self.cap_method!r} is not a method name; valid: {names}")
+        return self
