@@ -21,7 +21,7 @@ from benchmarks.schema import (
     OpobBenchConfig,
     SandboxBenchConfig,
 )
-from benchmarks.staleness.schema import StalenessBenchConfig
+from benchmarks.staleness.schema import StalenessBenchConfig, StalenessRealBenchConfig
 from configs.loader import ConfigError, load_config, read_yaml_tree
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
@@ -41,7 +41,8 @@ def _tool_spec(path: Path) -> Any:
 
 BENCH_SCHEMAS: dict[str, type] = {"opob": OpobBenchConfig, "async": AsyncBenchConfig,
                                    "engine": EngineBenchConfig, "sandbox": SandboxBenchConfig,
-                                   "staleness": StalenessBenchConfig, "learner": LearnerBenchConfig,
+                                   "staleness": StalenessBenchConfig,
+                                   "staleness_real": StalenessRealBenchConfig, "learner": LearnerBenchConfig,
                                    "main_job": MainJobBenchConfig}
 """benchmarks/configs/<name>.yaml (or a preset <name>_<variant>.yaml) → the schema of `vcpo bench <name>`."""
 

@@ -237,11 +237,19 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.name == "staleness":
         from benchmarks import BENCH_CONFIG_ROOT
         from benchmarks.staleness.bench import run_staleness_bench
-        from benchmarks.staleness.schema import StalenessBenchConfig
+        from benchmarks.staleness.schema import StalenessRealBenchConfig, staleness_schema
+        from configs.loader import read_yaml_tree
 
         if args.config is None:  # the methods and their lrs live in the shipped file
             args.config = BENCH_CONFIG_ROOT / "staleness.yaml"
-        result = run_staleness_bench(_bench_config(args, StalenessBenchConfig), progress=_progress)
+        bench = _bench_config(args, staleness_schema(read_yaml_tree(args.config)))
+        if isinstance(bench, StalenessRealBenchConfig):
+            from benchmarks.staleness.real import run_real_staleness_bench
+            from learner.train.compose import PACKAGE_ROOT
+
+            result = run_real_staleness_bench(bench, PACKAGE_ROOT, _cache_dir(), progress=_progress)
+        else:
+            result = run_staleness_bench(bench, progress=_progress)
         print(Path(result["config"]["run_root"], "summary.md").read_text(), file=sys.stderr)
     elif args.name == "main_job":
         from benchmarks import BENCH_CONFIG_ROOT

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.staleness import tasks as staleness_tasks
-from benchmarks.staleness.schema import StalenessBenchConfig, StalenessMethodConfig
+from benchmarks.staleness.schema import StalenessBenchConfig, StalenessMatrixConfig, StalenessMethodConfig
 from configs.schema import RunConfig
 from learner.launch.host import host_description
 from learner.observability import metric_names as names
@@ -264,7 +264,7 @@ def run_key(bench: StalenessBenchConfig, job: Job, weights: str) -> str:
     return f"{_run_name(method, lag, seed, numerics)}-{digest}"
 
 
-def results_dir(bench: StalenessBenchConfig) -> Path:
+def results_dir(bench: StalenessMatrixConfig) -> Path:
     """Where finished runs are stored: `results_dir`, else `run_root/results`."""
     return Path(bench.results_dir) if bench.results_dir is not None else Path(bench.run_root) / "results"
 
@@ -290,19 +290,14 @@ def _store(directory: Path, key: str, row: dict[str, Any]) -> None:
 # The matrix
 
 
-def _numerics_at(bench: StalenessBenchConfig, lag: int) -> list[str]:
-    return [n for n in bench.numerics
-            if n == "matched" or bench.numerics_lags is None or lag in bench.numerics_lags]
-
-
-def _matrix_jobs(bench: StalenessBenchConfig) -> list[Job]:
+def _matrix_jobs(bench: StalenessMatrixConfig) -> list[Job]:
     chosen = [m for m in bench.methods if bench.only is None or m.name in bench.only]
     if bench.common_lr is not None:
         chosen = [m.model_copy(update={"lr": bench.common_lr}) for m in chosen]
     # the largest lags first: the longest-waiting runs start early, so the pool's workers stay busy
     return [(m, lag, seed, numerics)
             for lag in sorted(bench.lags, reverse=True) for m in chosen for seed in bench.seeds
-            for numerics in _numerics_at(bench, lag)]
+            for numerics in bench.numerics_at(lag)]
 
 
 def _run_jobs(bench: StalenessBenchConfig, jobs: list[Job], model_dir: Path, task_path: Path, root: Path,
@@ -431,7 +426,7 @@ def run_staleness_bench(bench: StalenessBenchConfig, progress: Callable[[str], N
     return result
 
 
-def _sorted(bench: StalenessBenchConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _sorted(bench: StalenessMatrixConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     order = [m.name for m in bench.methods]
     return sorted(rows, key=lambda r: (order.index(r["method"]), r["lr"], r.get("numerics", "matched"),
                                        r["lag"], r["seed"]))
@@ -464,13 +459,13 @@ def mean_interval(values: list[float]) -> tuple[float, float | None, float | Non
     return mean, sd, T_975.get(len(values) - 1, 1.96) * sd / math.sqrt(len(values))
 
 
-def summary_table(bench: StalenessBenchConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def summary_table(bench: StalenessMatrixConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (method, k, numerics): means over seeds; methods not run keep their rows."""
     table = []
     for method in bench.methods:
         lr = bench.common_lr or method.lr
         for lag in bench.lags:
-            for numerics in _numerics_at(bench, lag):
+            for numerics in bench.numerics_at(lag):
                 runs = [r for r in rows if r["method"] == method.name and r["lag"] == lag
                         and r.get("numerics", "matched") == numerics]
                 good = [r for r in runs if "error" not in r]
@@ -556,7 +551,8 @@ def compact_summary(result: dict[str, Any]) -> dict[str, Any]:
             "p10_ess_ratio", "collapsed_runs")
     return {"benchmark": "staleness", "properties": result["properties"],
             "config": {k: result["config"][k] for k in ("task", "lags", "seeds", "steps", "groups_per_step",
-                                                         "group_size", "numerics", "common_lr")},
+                                                         "group_size", "numerics", "common_lr")
+                       if k in result["config"]},
             "summary": [{k: e.get(k) for k in keep} for e in result["summary"]],
             "retention": result["retention"]}
 
@@ -598,13 +594,20 @@ def format_summary(result: dict[str, Any]) -> str:
                          f"{_fmt(row.get('reward_last10'))} |")
         lines += ["", "chosen: " + ", ".join(f"{m}={lr:g}" for m, lr in result["chosen_lr"].items())]
         return "\n".join(lines) + "\n"
+    return "\n".join(lines + matrix_tables(result)) + "\n"
+
+
+def matrix_tables(result: dict[str, Any]) -> list[str]:
+    """Markdown lines of a matrix's tables: final score per (method, k), retention, per-cell diagnostics."""
+    lines: list[str] = []
     summary = result["summary"]
     lags = sorted({e["lag"] for e in summary})
     columns = [(lag, n) for lag in lags
                for n in dict.fromkeys(e["numerics"] for e in summary if e["lag"] == lag)]
     methods = list(dict.fromkeys(e["method"] for e in summary))
     cell = {(e["method"], e["lag"], e["numerics"]): e for e in summary}
-    lines += ["Final policy's success probability on the evaluation prompts, mean ± 95% interval over seeds:",
+    lines += [f"Final policy's {result.get('score', 'success probability on the evaluation prompts')}, "
+              "mean ± 95% interval over seeds:",
               "",
               "| method | " + " | ".join(f"k={lag}" + ("" if n == "matched" else f" ({n})")
                                          for lag, n in columns) + " |", "|---|" + "---|" * len(columns)]
@@ -638,7 +641,7 @@ def format_summary(result: dict[str, Any]) -> str:
             f"{_fmt(e['clip_frac_mean'])} | {_fmt(e['masked_frac_mean'])} | "
             f"{_fmt(e['omega_max_share_mean'], '.2f')} | "
             f"{_fmt(e['baseline_minus_mean_mean'], '.3f')} | {_fmt(e['log_w_reward_corr_mean'], '.2f')} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot_staleness(result: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -682,7 +685,8 @@ def plot_staleness(result: dict[str, Any], out_dir: Path) -> list[Path]:
                 points.append((str(lag), statistics.fmean(finals)))
         ax.plot([p[0] for p in points], [p[1] for p in points],
                 "o-" if method.startswith("vcpo") else "s--", color=colors[method], label=method)
-    ax.axhline(result["initial_success"], color="grey", lw=0.8, ls=":", label="pre-taught policy")
+    if result["initial_success"] is not None:
+        ax.axhline(result["initial_success"], color="grey", lw=0.8, ls=":", label="starting policy")
     ax.set(title="final policy: success probability vs lag k", xlabel="k", ylabel="P(correct)",
            ylim=(0, 1.02))
     ax.legend(fontsize=7, ncol=2)

@@ -29,9 +29,9 @@ class StalenessMethodConfig(StrictModel):
         return self
 
 
-class StalenessBenchConfig(StrictModel):
-    """`vcpo bench staleness`: methods × lag bounds × seeds through the real asynchronous pipeline on
-    a tiny pre-taught policy (benchmarks/staleness/bench.py)."""
+class StalenessMatrixConfig(StrictModel):
+    """What every `vcpo bench staleness` preset shares: methods × lag bounds k × seeds, every batch at
+    exactly lag min(k, step), the runs stored and reused by key (benchmarks/staleness/bench.py)."""
 
     methods: list[StalenessMethodConfig] = Field(min_length=1)
     """The compared methods (rows)."""
@@ -47,8 +47,37 @@ class StalenessBenchConfig(StrictModel):
     """Prompts per step."""
     group_size: int = Field(8, ge=2)
     """Samples per prompt."""
+    common_lr: float | None = Field(None, gt=0)
+    """matrix: run every method at this lr instead of its own (robustness and step size unconfounded)."""
+    collapse_fraction: float = Field(0.5, gt=0, lt=1)
+    """A run has collapsed at the first step whose trailing-10-step reward falls below this share of
+    its first 10 steps' reward (or whose loss / grad norm is not finite)."""
+    run_root: str = "runs/bench-staleness"
+    """Where every run directory, the summaries and the plots go."""
+    results_dir: str | None = None
+    """Where each finished run's row is stored and found again (resume); None = run_root/results."""
+
+    def numerics_at(self, lag: int) -> list[str]:
+        """The engine/learner numerics each run at lag `lag` is made with (a column of the tables)."""
+        return ["matched"]
+
+    @model_validator(mode="after")
+    def _check_methods(self) -> StalenessMatrixConfig:
+        names = [method.name for method in self.methods]
+        if len(set(names)) != len(names):
+            raise ValueError(f"methods: duplicate names in {names}; give every method its own name")
+        unknown = sorted(set(self.only or ()) - set(names))
+        if unknown:
+            raise ValueError(f"only: {unknown} are not method names; valid: {names}")
+        return self
+
+
+class StalenessBenchConfig(StalenessMatrixConfig):
+    """`vcpo bench staleness`: methods × lag bounds × seeds through the real asynchronous pipeline on
+    a tiny pre-taught policy (benchmarks/staleness/bench.py)."""
+
     task: Literal["count", "alphabet", "addition"] = "count"
-    """The verifiable task (benchmarks/staleness/tasks.py):
+    """The verifiable task (benchmarks/staleness_tasks.py):
     'alphabet' — "d-g" → "d, e, f, g" (the paper
     preset, with `separator`), 'count' — "17-41" → "17 18 … 41": long variable answers, held-out
     evaluation prompts; 'addition' — "a+b=" → the sum, 1–2 answer tokens (the tiny preset)."""
@@ -90,16 +119,11 @@ class StalenessBenchConfig(StrictModel):
     at k = 1 without collapsing (small per-step moves, as in LLM RL; a collapsed policy's ESS is 1)."""
     cap_method: str = "seq_tis"
     """lr_sweep: the method whose k = 1 ESS caps the grid."""
-    common_lr: float | None = Field(None, gt=0)
-    """matrix: run every method at this lr instead of its own (robustness and step size unconfounded)."""
     workers: int = Field(2, ge=1)
     """Runs in parallel (one process and one CPU thread each)."""
     device: str = "cpu"
     """torch device of every run's learner and engine: 'cpu', or 'cuda' / 'cuda:N' (the workers share
     it). Part of a stored run's key when not 'cpu': a GPU run is never reused for a CPU one."""
-    collapse_fraction: float = Field(0.5, gt=0, lt=1)
-    """A run has collapsed at the first step whose trailing-10-step reward falls below this share of
-    its first 10 steps' reward (or whose loss / grad norm is not finite)."""
     lr_grid: list[Annotated[float, Field(gt=0)]] = Field(
         default_factory=lambda: [1e-4, 3e-4, 1e-3, 3e-3])
     """Learning rates tried by `mode: lr_sweep`."""
@@ -108,19 +132,13 @@ class StalenessBenchConfig(StrictModel):
     mode: Literal["matrix", "lr_sweep"] = "matrix"
     """matrix: the full table; lr_sweep: `cap_method` at k = 1 with every lr in lr_grid (the grid's cap:
     median ESS ≥ ess_floor), then each method at k = 0 with every lr up to the cap (seed `sweep_seed`)."""
-    run_root: str = "runs/bench-staleness"
-    """Where the policy, the task, every run directory and the plots go."""
-    results_dir: str | None = None
-    """Where each finished run's row is stored and found again (resume); None = run_root/results."""
+    def numerics_at(self, lag: int) -> list[str]:
+        return [n for n in self.numerics
+                if n == "matched" or self.numerics_lags is None or lag in self.numerics_lags]
 
     @model_validator(mode="after")
     def _check(self) -> StalenessBenchConfig:
         names = [method.name for method in self.methods]
-        if len(set(names)) != len(names):
-            raise ValueError(f"methods: duplicate names in {names}; give every method its own name")
-        unknown = sorted(set(self.only or ()) - set(names))
-        if unknown:
-            raise ValueError(f"only: {unknown} are not method names; valid: {names}")
         if self.count_min > self.count_max:
             raise ValueError(f"count_min={self.count_min} > count_max={self.count_max}; "
                              "make count_min ≤ count_max")
@@ -130,3 +148,51 @@ class StalenessBenchConfig(StrictModel):
         if self.mode == "lr_sweep" and self.cap_method not in names:
             raise ValueError(f"cap_method={self.cap_method!r} is not a method name; valid: {names}")
         return self
+
+
+class StalenessRealBenchConfig(StalenessMatrixConfig):
+    """`vcpo bench staleness --config benchmarks/configs/staleness_real.yaml`: the same matrix on a real
+    language model doing the main job's agent task — every run is `vcpo train` of `run_config` started
+    from one shared warm-started policy, every batch at exactly lag min(k, step), scored by the final
+    policy's held-out success (benchmarks/staleness/real.py)."""
+
+    kind: Literal["real"]
+    """Marks this preset (the synthetic one has no `kind`): `vcpo bench staleness` picks the schema by it."""
+    run_config: str = "configs/default.yaml"
+    """The run config every run trains (model, task, warm start, engine, learner); relative paths start at
+    the repository root. Each method replaces the `algo` keys it names."""
+    overrides: list[str] = Field(default_factory=list)
+    """a.b.c=value overrides of `run_config` for every run (what the matrix shrank, with its reasons in
+    the preset)."""
+    eval_samples: int = Field(128, ge=8)
+    """Held-out prompts scored at the start and after the last step (trainer.eval_samples)."""
+    warm_start_seed: int = 0
+    """Seed of the one warm start every run starts from (run_config's warm start, trained once and cached)."""
+    checkpoint_every: int = Field(20, ge=1)
+    """Steps between a run's checkpoints: an interrupted run resumes from its newest one."""
+    run: bool = True
+    """False: train nothing, recompute the summary from the stored rows (a missing run shows as not run)."""
+
+    def numerics_at(self, lag: int) -> list[str]:
+        """The run config's own numerics (the main job's: engine and log π_old in fp32, bf16-autocast
+        gradient), so the IS weights are ~1 but not exactly 1 at k = 0."""
+        return ["fp32"]
+
+    @model_validator(mode="after")
+    def _check_real(self) -> StalenessRealBenchConfig:
+        reserved = {"seed", "run_dir", "model.path", "warm_start.enabled", "optim.lr", "rollout.max_lag",
+                    "rollout.saturate_lag", "rollout.groups_per_step", "algo.group_size",
+                    "trainer.total_steps", "trainer.eval_every", "trainer.eval_samples",
+                    "trainer.checkpoint_every"}
+        clashing = sorted(o.partition("=")[0].strip() for o in self.overrides
+                          if o.partition("=")[0].strip() in reserved)
+        if clashing:
+            raise ValueError(f"overrides: {clashing} are set by the bench per run (seed, lag, lr, steps, "
+                             "batch); use the bench's own fields instead")
+        return self
+
+
+def staleness_schema(raw: Any) -> type[StalenessMatrixConfig]:
+    """The schema of a `vcpo bench staleness` config: the real-model preset carries `kind: real`."""
+    return StalenessRealBenchConfig if isinstance(raw, dict) and raw.get("kind") == "real" else \
+        StalenessBenchConfig
