@@ -132,6 +132,19 @@ def run_overrides(bench: StalenessRealBenchConfig, job: Job, policy: Path, run_d
             "trainer.keep_checkpoints=1", "trainer.use_tensorboard=false"]
 
 
+def code_version(repo_root: Path) -> str | None:
+    """The commit the run's code is at (`+dirty` with uncommitted changes); None outside a git checkout.
+    A matrix is carried across sessions, so each row says which code made it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo_root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo_root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def _version_file(run_dir: Path, version: int) -> Path:
     return run_dir / "eval" / f"version_{version:06d}.jsonl"
 
@@ -174,7 +187,8 @@ def run_one(bench: StalenessRealBenchConfig, job: Job, policy: Path, weights: st
               for name, key in CURVE_KEYS.items()}
     summary = json.loads((run_dir / "summary.json").read_text())
     row = {"method": method.name, "lag": lag, "seed": seed, "numerics": bench.numerics_at(lag)[0],
-           "lr": method.lr, "weights": weights, "steps": len(curves["reward"]), "wall_s": round(wall_s, 1),
+           "lr": method.lr, "weights": weights, "code": code_version(repo_root),
+           "steps": len(curves["reward"]), "wall_s": round(wall_s, 1),
            "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
            "phases_s": {name: round(seconds, 1) for name, seconds in summary["phases_s"].items()},
            "final_success": final.success, "final_low": final.low, "final_high": final.high,
