@@ -267,6 +267,129 @@ _GROUP_BASELINE_OBJECTIVES = {"grpo", "dr_grpo", "rloo", "seq_tis", "token_tis",
                               "otb", "vcpo"}
 
 
+# Behaviour corrections (vcpo/corrections.py): stages applied before any objective, tagged on `type`
+
+
+class _RatioBand(StrictModel):
+    lower: float = Field(gt=0, le=1)
+    """Smallest kept ratio π_old/μ (≤ 1: a band without 1 would reject on-policy tokens)."""
+    upper: float = Field(ge=1)
+    """Largest kept ratio π_old/μ (≥ 1)."""
+
+    @model_validator(mode="after")
+    def _check_band(self) -> _RatioBand:
+        if not self.lower < self.upper or self.upper == float("inf"):
+            kind = getattr(self, "type", "band")
+            raise ValueError(f"{kind}: lower={self.lower} must be < upper={self.upper} < ∞ (the kept band "
+                             "[lower, upper] of the ratio π_old/μ), e.g. lower: 0.5, upper: 2.0")
+        return self
+
+
+class TokenTISCorrection(StrictModel):
+    """Token truncation: every kept token's policy loss × min(π_old/μ, cap), detached (veRL rollout_is:
+    token)."""
+
+    type: Literal["token_tis"] = "token_tis"
+    """Stage name."""
+    cap: float = Field(2.0, gt=0)
+    """Truncation C of the per-token weight."""
+
+
+class SeqTISCorrection(StrictModel):
+    """Sequence truncation: every kept token of a trajectory × min(w_i, cap), w_i = Π π_old/μ over its
+    kept tokens, detached (veRL rollout_is: sequence)."""
+
+    type: Literal["seq_tis"] = "seq_tis"
+    """Stage name."""
+    cap: float = Field(8.0, gt=0)
+    """Truncation C of the sequence weight."""
+
+
+class TokenRejectCorrection(_RatioBand):
+    """Token rejection (IcePop): a token whose π_old/μ lies outside [lower, upper] leaves the loss."""
+
+    type: Literal["token_reject"] = "token_reject"
+    """Stage name."""
+    lower: float = Field(0.5, gt=0, le=1)
+    """Smallest kept token ratio."""
+    upper: float = Field(2.0, ge=1)
+    """Largest kept token ratio."""
+
+
+class SeqRejectCorrection(_RatioBand):
+    """Sequence rejection (sequence MIS): a trajectory whose w_i = Π π_old/μ lies outside [lower, upper]
+    leaves the loss whole."""
+
+    type: Literal["seq_reject"] = "seq_reject"
+    """Stage name."""
+    lower: float = Field(0.125, gt=0, le=1)
+    """Smallest kept sequence weight."""
+    upper: float = Field(8.0, ge=1)
+    """Largest kept sequence weight."""
+
+
+class GeoRejectCorrection(_RatioBand):
+    """Geometric-mean rejection: a trajectory whose (Π π_old/μ)^(1/n) over its n kept tokens lies outside
+    [lower, upper] leaves the loss whole (length-independent, unlike seq_reject)."""
+
+    type: Literal["geo_reject"] = "geo_reject"
+    """Stage name."""
+    lower: float = Field(0.999, gt=0, le=1)
+    """Smallest kept per-token geometric mean."""
+    upper: float = Field(1.001, ge=1)
+    """Largest kept per-token geometric mean."""
+
+
+class K3RejectCorrection(StrictModel):
+    """K3 rejection: a trajectory whose K3 estimate of KL(μ‖π_old), e^ℓ − 1 − ℓ per kept token reduced by
+    `reduce`, exceeds `threshold` leaves the loss whole (veRL seq_mean_k3 / seq_sum_k3 / seq_max_k3)."""
+
+    type: Literal["k3_reject"] = "k3_reject"
+    """Stage name."""
+    threshold: float = Field(0.01, gt=0)
+    """Largest kept statistic."""
+    reduce: Literal["mean", "sum", "max"] = "mean"
+    """How the per-token K3 values of a trajectory combine."""
+
+
+class OPSMCorrection(StrictModel):
+    """Off-policy sequence masking (DeepSeek-V3.2, slime): a trajectory with reward below its group's mean
+    whose mean per-token log μ/π_old exceeds `delta` leaves the loss whole."""
+
+    type: Literal["opsm"] = "opsm"
+    """Stage name."""
+    delta: float = Field(1e-4, ge=0)
+    """KL threshold δ (slime's default 1e-4)."""
+
+
+Correction = Annotated[
+    TokenTISCorrection | SeqTISCorrection | TokenRejectCorrection | SeqRejectCorrection | GeoRejectCorrection
+    | K3RejectCorrection | OPSMCorrection,
+    Field(discriminator="type"),
+]
+
+_TRUNCATIONS = {"token_tis", "seq_tis"}
+
+
+def correction_label(stage: StrictModel) -> str:
+    """The stage's name in metrics (`correction/<label>/…`): its type; a k3_reject other than the mean
+    adds its reduction."""
+    kind = stage.type  # type: ignore[attr-defined]
+    reduce = getattr(stage, "reduce", "mean")
+    return kind if reduce == "mean" else f"{kind}_{reduce}"
+
+
+def takes_truncation(objective: StrictModel) -> bool:
+    """Whether a truncation stage may weight `objective`'s loss: not where the objective weighs it by a
+    behaviour ratio of its own (vcpo/objectives `accepts_token_weights`; a test keeps the two equal)."""
+    kind = objective.type  # type: ignore[attr-defined]
+    if kind in ("gspo", "cispo"):
+        return objective.ratio_to == "proximal"  # type: ignore[attr-defined]
+    if kind == "otb":
+        return not objective.use_is_weights  # type: ignore[attr-defined]
+    return kind in ("grpo", "dr_grpo", "reinforce", "rloo")
+
+
 class ESSLRConfig(StrictModel):
     """VCPO part 1: scale each step's lr by s(ρ), ρ = ESS/B of that minibatch."""
 
@@ -312,6 +435,34 @@ class AlgoConfig(StrictModel):
     """Per-token estimator of KL(π_θ‖π_ref)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Weight of the entropy bonus; 0 disables it."""
+    corrections: list[Correction] = Field(default_factory=list)
+    """Behaviour corrections applied before the objective (vcpo/corrections.py; docs/algorithm.md
+    "Corrections"): the token mask and the IS weights the objective, the ESS and OPOB then see. Token
+    rejections act first, then sequence rejections on the tokens they kept, then the truncation (at most
+    one), whatever the list's order. [] = none."""
+
+    @model_validator(mode="after")
+    def _check_corrections(self) -> AlgoConfig:
+        labels = [correction_label(stage) for stage in self.corrections]
+        for index, label in enumerate(labels):
+            if label in labels[:index]:
+                raise ValueError(f"algo.corrections[{index}] repeats {label!r} (first at algo.corrections"
+                                 f"[{labels.index(label)}]); give each stage once, narrowing its band or "
+                                 "threshold instead")
+        truncations = [i for i, stage in enumerate(self.corrections) if stage.type in _TRUNCATIONS]
+        if len(truncations) > 1:
+            raise ValueError(f"algo.corrections[{truncations[0]}] and [{truncations[1]}] both weight the "
+                             "loss; keep one of token_tis and seq_tis")
+        if truncations and not takes_truncation(self.objective):
+            index = truncations[0]
+            raise ValueError(
+                f"algo.corrections[{index}] ({self.corrections[index].type}) weights the loss by an IS "
+                f"ratio, but objective.type='{self.objective.type}' already weighs it by a behaviour "
+                "correction of its own (or, tba, has no per-token policy loss): the sample would be "
+                "corrected twice. Drop the stage (rejection stages stack under every objective), or use "
+                "objective.type grpo, dr_grpo, reinforce or rloo (gspo or cispo with ratio_to: proximal, otb "
+                "with use_is_weights: false)")
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> AlgoConfig:
@@ -617,6 +768,15 @@ class RunConfig(StrictModel):
             raise ValueError(f"trainer.eval_every={self.trainer.eval_every} needs launcher='local' (the "
                              "held-out evaluation runs on the local engine); set trainer.eval_every=0 with "
                              "launcher='ray'")
+        return self
+
+    @model_validator(mode="after")
+    def _check_corrections_proximal(self) -> RunConfig:
+        if self.algo.corrections and self.learner.proximal == "reuse":
+            raise ValueError("algo.corrections judge every token by log π_old before the gradient pass, "
+                             "but learner.proximal='reuse' takes log π_old from that pass; set "
+                             "learner.proximal to 'separate' or 'auto' (which keeps the separate forward "
+                             "with corrections)")
         return self
 
     @model_validator(mode="after")

@@ -12,6 +12,12 @@ It only names things: computing, reducing across ranks and writing metrics happe
 
 from __future__ import annotations
 
+from vcpo.corrections import (
+    CORRECTION_REJECTED_BY_LAG,
+    CORRECTION_REJECTED_TOKENS,
+    CORRECTION_REJECTED_TRAJECTORIES,
+    stage_metric,
+)
 from vcpo.metrics import (
     IS_ESS_RATIO,
     IS_ESS_RATIO_CLIPPED,
@@ -112,6 +118,14 @@ spread."""
 ROLLOUT_REGENERATED_GROUPS = "rollout/regenerated_groups"
 """launcher=ray: groups regenerated (same prompt) because their rollout actor died: a running total."""
 
+# --- Behaviour corrections (algo.corrections; vcpo/corrections.py), when configured. ----------------
+# CORRECTION_REJECTED_TOKENS: share of the sampled tokens the stages removed together;
+# CORRECTION_REJECTED_TRAJECTORIES: share of the trajectories with sampled tokens that kept none;
+# CORRECTION_REJECTED_BY_LAG: per staleness bin (those of staleness/hist), the removed share of the bin's
+# sampled tokens (null for an empty bin). Each stage adds `stage_metric(label, what)` =
+# correction/<label>/{rejected_tokens, rejected_tokens_by_lag, rejected_trajectories} (a rejection) or
+# correction/<label>/{truncated_tokens, weight_mean} (a truncation).
+
 # --- Loss. -------------------------------------------------------------------------------------
 TRAIN_LOSS = "train/loss"
 """The policy loss that was back-propagated (after aggregation)."""
@@ -199,6 +213,9 @@ OPTIONAL = (
     ROLLOUT_REFILL_TOKENS,
     TRAIN_LOSS,
     TRAIN_ENTROPY,
+    CORRECTION_REJECTED_TOKENS,
+    CORRECTION_REJECTED_TRAJECTORIES,
+    CORRECTION_REJECTED_BY_LAG,
     EVAL_SUCCESS,
     EVAL_SUCCESS_LOW,
     EVAL_SUCCESS_HIGH,
@@ -239,6 +256,9 @@ def staleness_bin_label(index: int, num_bins: int = STALENESS_HIST_BINS, width: 
 __all__ = [
     "ALL_METRICS",
     "AXES",
+    "CORRECTION_REJECTED_BY_LAG",
+    "CORRECTION_REJECTED_TOKENS",
+    "CORRECTION_REJECTED_TRAJECTORIES",
     "EVAL_NO_ANSWER_FRAC",
     "EVAL_PROMPTS",
     "EVAL_RESPONSE_TOKENS_MEAN",
@@ -305,6 +325,7 @@ __all__ = [
     "TREND_SUCCESS_HIGH",
     "TREND_SUCCESS_LOW",
     "WALL_S",
+    "stage_metric",
     "staleness_bin_bounds",
     "staleness_bin_label",
 ]
