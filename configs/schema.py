@@ -481,16 +481,55 @@ class AlgoConfig(StrictModel):
 # The run
 
 
+class AutoLagConfig(StrictModel):
+    """`rollout.max_lag: auto` (rollout/lag_control.py; the control law in docs/algorithm.md): the bound k
+    follows the measured ESS ratio of the batches it admitted — lowered by one as soon as a batch falls below
+    `target_ess_ratio`, raised by one after `patience` batches in a row above it during which the learner
+    waited for data — within [min_lag, max_lag]."""
+
+    min_lag: int = Field(0, ge=0)
+    """Smallest bound (0 = the controller may go fully synchronous)."""
+    max_lag: int = Field(8, ge=0)
+    """Largest bound: every trajectory's lag stays ≤ this (a guarantee), and it sizes the buffer and
+    the default max_concurrent_groups."""
+    initial_lag: int | None = Field(None, ge=0)
+    """The bound at the start of a run; None = min_lag."""
+    target_ess_ratio: float = Field(0.5, gt=0, le=1)
+    """τ: a batch with ESS/B below it lowers the bound; batches above it may raise it. With algo.ess_lr the
+    lr already shrinks below its base_ess_ratio ρ₀; τ ≥ ρ₀ keeps the step size whole."""
+    patience: int = Field(3, ge=1)
+    """Judged batches in a row (ESS ratio ≥ τ, the learner waiting) before the bound is raised."""
+    min_idle_fraction: float = Field(0.05, ge=0, lt=1)
+    """The least share of a step the learner must have waited for its batch (idle / (idle + train)) for
+    the batch to count towards a raise: a learner that never waits gains nothing from a larger bound."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoLagConfig:
+        if self.min_lag > self.max_lag:
+            raise ValueError(f"rollout.auto_lag.min_lag={self.min_lag} > max_lag={self.max_lag}; the bound "
+                             "moves within [min_lag, max_lag]: lower min_lag or raise max_lag")
+        if self.initial_lag is not None and not self.min_lag <= self.initial_lag <= self.max_lag:
+            raise ValueError(f"rollout.auto_lag.initial_lag={self.initial_lag} lies outside [min_lag, "
+                             f"max_lag] = [{self.min_lag}, {self.max_lag}]; pick a start inside it, or null "
+                             "for min_lag")
+        return self
+
+
 class RolloutConfig(StrictModel):
     """The asynchronous rollout manager (rollout/manager.py)."""
 
-    max_lag: int = Field(2, ge=0)
+    max_lag: Annotated[int, Field(ge=0)] | Literal["auto"] = 2
     """k: the most policy versions a trajectory may lag behind the learner when consumed (a
-    guarantee). 0 = synchronous on-policy RL."""
+    guarantee). 0 = synchronous on-policy RL. 'auto': the bound follows the measured ESS within
+    [auto_lag.min_lag, auto_lag.max_lag] (the `auto_lag` section); each group keeps the bound it was
+    admitted under, and its lag stays ≤ that."""
+    auto_lag: AutoLagConfig = Field(default_factory=AutoLagConfig)
+    """The controller of max_lag: auto (ignored with a fixed max_lag)."""
     groups_per_step: int = Field(4, ge=1)
     """Prompts (groups of algo.group_size episodes) per optimizer step."""
     max_concurrent_groups: int | None = Field(None, ge=1)
-    """Groups generating at once; None = groups_per_step × (max_lag + 1) (everything the bound allows)."""
+    """Groups generating at once; None = groups_per_step × (k + 1), k = max_lag or, with 'auto',
+    auto_lag.max_lag (everything the bound allows)."""
     max_group_attempts: int = Field(3, ge=1)
     """A batch slot whose group fails this many times in a row stops the run (a systemic error)."""
     dynamic_sampling: bool = False
@@ -504,6 +543,11 @@ class RolloutConfig(StrictModel):
     """Stress-test mode (`vcpo bench staleness`): before each step the learner waits until the engine
     has generated everything the bound admits, so every batch lags by exactly min(k, step). Off =
     normal asynchrony: the realised lag is ≤ k and depends on engine vs learner speed."""
+
+    @property
+    def lag_ceiling(self) -> int:
+        """The largest bound the run can use: max_lag, or auto_lag.max_lag with 'auto'."""
+        return self.auto_lag.max_lag if self.max_lag == "auto" else self.max_lag
 
 
 class MegatronConfig(StrictModel):

@@ -12,6 +12,14 @@ It only names things: computing, reducing across ranks and writing metrics happe
 
 from __future__ import annotations
 
+from rollout.lag_control import (
+    ROLLOUT_IDLE_FRACTION,
+    ROLLOUT_LAG_JUDGED,
+    ROLLOUT_LAG_LOWERS,
+    ROLLOUT_LAG_MOVE,
+    ROLLOUT_LAG_RAISES,
+    ROLLOUT_MAX_LAG,
+)
 from vcpo.corrections import (
     CORRECTION_REJECTED_BY_LAG,
     CORRECTION_REJECTED_TOKENS,
@@ -115,6 +123,10 @@ ROLLOUT_REWARD_MEAN_GENERATED = "rollout/reward_mean_generated"
 """rollout.dynamic_sampling: the mean reward over every episode generated for this step, the dropped ones
 included — the policy's own level; `reward/mean` (the trained episodes) is tilted towards groups with a
 spread."""
+# ROLLOUT_MAX_LAG: the lag bound in force after the step (every run). With rollout.max_lag: auto
+# (rollout/lag_control.py) also ROLLOUT_LAG_MOVE (−1, 0, +1 this step), ROLLOUT_LAG_RAISES and
+# ROLLOUT_LAG_LOWERS (running totals), ROLLOUT_LAG_JUDGED (1 when the batch was judged: all its groups
+# admitted under the bound in force) and ROLLOUT_IDLE_FRACTION (the learner's idle / (idle + train)).
 ROLLOUT_REGENERATED_GROUPS = "rollout/regenerated_groups"
 """launcher=ray: groups regenerated (same prompt) because their rollout actor died: a running total."""
 
@@ -211,6 +223,12 @@ OPTIONAL = (
     ROLLOUT_REFILLS,
     ROLLOUT_REFILLED_GROUPS,
     ROLLOUT_REFILL_TOKENS,
+    ROLLOUT_MAX_LAG,
+    ROLLOUT_LAG_MOVE,
+    ROLLOUT_LAG_RAISES,
+    ROLLOUT_LAG_LOWERS,
+    ROLLOUT_LAG_JUDGED,
+    ROLLOUT_IDLE_FRACTION,
     TRAIN_LOSS,
     TRAIN_ENTROPY,
     CORRECTION_REJECTED_TOKENS,
@@ -290,6 +308,12 @@ __all__ = [
     "REWARD_STD",
     "ROLLOUT_FAILED_GROUPS",
     "ROLLOUT_FILTERED_FRAC",
+    "ROLLOUT_IDLE_FRACTION",
+    "ROLLOUT_LAG_JUDGED",
+    "ROLLOUT_LAG_LOWERS",
+    "ROLLOUT_LAG_MOVE",
+    "ROLLOUT_LAG_RAISES",
+    "ROLLOUT_MAX_LAG",
     "ROLLOUT_REFILLED_GROUPS",
     "ROLLOUT_REFILLS",
     "ROLLOUT_REFILL_TOKENS",
