@@ -9,9 +9,9 @@ ESS ratio of batch b, u_b the share of the step the learner spent waiting for th
 (idle / (idle + train)) and k the bound in force:
 
 1. **Judge only what k produced.** Batch b is judged only when every one of its groups was admitted under
-   k (the groups carry the bound they were admitted under). A batch admitted under an older bound says
-   nothing about k, so the controller holds — this is the pipeline's delay: after a move, the k batches
-   already admitted are not judged.
+   k (the groups carry the bound they were admitted under) and ρ_b is finite. A batch admitted under an
+   older bound says nothing about k, so the controller holds — this is the pipeline's delay: after a move,
+   the k batches already admitted are not judged.
 2. **Lower at once:** ρ_b < τ (`target_ess_ratio`) → k ← max(k_min, k − 1), and the streak restarts.
 3. **Raise slowly:** ρ_b ≥ τ and u_b ≥ u_min (`min_idle_fraction`: the learner waited for data) extends a
    streak; `patience` judged batches in a row → k ← min(k_max, k + 1), and the streak restarts.
@@ -29,6 +29,7 @@ and its `state` goes into every checkpoint.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -104,6 +105,8 @@ class LagController:
         settings = self.settings
         if any(bound != self.bound for bound in admitted_under):
             return LagMove(self.bound, 0, False)  # rule 1: a measurement of another bound
+        if not math.isfinite(ess_ratio):  # no valid trajectory measured: no evidence either way
+            return LagMove(self.bound, 0, False)
         move = 0
         if ess_ratio < settings.target_ess_ratio:  # rule 2
             self.streak = 0

@@ -278,7 +278,8 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                 train_s = time.perf_counter() - tick
                 if lag_control is not None:  # before the push: a lowered bound admits nothing more first
                     waited_share = idle_fraction(idle_learner, train_s)
-                    move = lag_control.update(float(metrics["is/ess_ratio"]), waited_share,
+                    ess = metrics.get(names.IS_ESS_RATIO)
+                    move = lag_control.update(float("nan") if ess is None else float(ess), waited_share,
                                               [ticket.lag_bound for ticket, _ in groups])
                     await manager.set_max_lag(move.bound)
                     metrics.update(lag_control.metrics(move, waited_share))

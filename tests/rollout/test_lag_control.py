@@ -42,6 +42,13 @@ def test_batches_admitted_under_another_bound_are_not_judged_and_keep_the_streak
     assert control.update(0.1, 0.9, [1, 1]) == LagMove(0, -1, True)  # judged: ρ < τ lowers at once
 
 
+def test_a_batch_without_a_finite_ess_ratio_is_not_judged() -> None:
+    control = LagController(SETTINGS)
+    control.update(0.9, 0.5, _under(control))  # streak 1
+    assert control.update(float("nan"), 0.5, _under(control)) == LagMove(0, 0, False)
+    assert control.streak == 1
+
+
 def test_the_bound_is_lowered_at_once_and_the_streak_restarts() -> None:
     control = LagController(LagControlSettings(min_lag=1, max_lag=5, target_ess_ratio=0.6, patience=2,
                                                initial_lag=3))
