@@ -38,7 +38,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, Protocol
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -66,13 +66,11 @@ def stage_metric(label: str, what: str) -> str:
 class CorrectionView(NamedTuple):
     """What a stage reads. token_log_ratio: (B, T) ℓ_t clamped to ±max_log_ratio on `mask`, 0 elsewhere.
     raw_log_ratio: (B, T) the same unclamped (finite). mask: (B, T) bool, the tokens the stage judges.
-    rewards: (B,) fp32. negative: (B,) bool, R_i below its group's mean (a degenerate group: never).
-    max_log_ratio: the clamp."""
+    negative: (B,) bool, R_i below its group's mean (a degenerate group: never). max_log_ratio: the clamp."""
 
     token_log_ratio: Tensor
     raw_log_ratio: Tensor
     mask: Tensor
-    rewards: Tensor
     negative: Tensor
     max_log_ratio: float
 
@@ -83,14 +81,6 @@ class CorrectionView(NamedTuple):
     def counts(self) -> Tensor:
         """(B,) n_i: the tokens in `mask`."""
         return self.mask.sum(dim=-1)
-
-
-class CorrectionStage(Protocol):
-    """A stage: a `label` (its metrics' names, unique in a list), a `level`, and `keep` (rejections:
-    (B, T) bool for a token stage, (B,) bool for a sequence stage) or `weights` (truncation: (B, T))."""
-
-    label: str
-    level: str
 
 
 def _check_band(lower: float, upper: float) -> None:
@@ -216,7 +206,7 @@ class K3Rejection:
             raise ValueError(f"k3_reject: threshold={self.threshold} must be > 0")
 
     @property
-    def label(self) -> str:  # type: ignore[override]
+    def label(self) -> str:
         return "k3_reject" if self.reduce == "mean" else f"k3_reject_{self.reduce}"
 
     def statistic(self, view: CorrectionView) -> Tensor:
@@ -255,6 +245,8 @@ class OffPolicySequenceMasking:
 
 Stage = (TokenTruncation | SequenceTruncation | TokenRejection | SequenceRejection | GeometricRejection
          | K3Rejection | OffPolicySequenceMasking)
+"""A stage: a `label` (its metrics' names, unique in a list), a `level`, and `keep` (a rejection: (B, T) bool
+for a token stage, (B,) bool for a sequence stage) or `uncapped` and `cap` (the truncation)."""
 
 
 def check_stages(stages: Sequence[Stage]) -> None:
@@ -326,7 +318,7 @@ def apply_corrections(
         clamped = raw.clamp(-max_log_ratio, max_log_ratio)
         safe_rewards = torch.where(usable, rewards.float(), 0.0)
         negative = dr_grpo_advantages(safe_rewards, index_groups(group_ids), usable) < 0
-        view = CorrectionView(clamped, raw, sampled, safe_rewards, negative, max_log_ratio)
+        view = CorrectionView(clamped, raw, sampled, negative, max_log_ratio)
         metrics: dict[str, Tensor] = {}
 
         def report(label: str, removed: Tensor) -> None:
