@@ -108,10 +108,8 @@ class TokenTruncation:
             raise ValueError(f"token_tis: cap={self.cap} must be > 0")
 
     def uncapped(self, view: CorrectionView) -> Tensor:
+        """(B, T) π_old/μ of each token, before the cap."""
         return view.token_log_ratio.exp()
-
-    def weights(self, view: CorrectionView) -> Tensor:
-        return self.uncapped(view).clamp(max=self.cap)
 
 
 @dataclass(frozen=True)
@@ -128,11 +126,9 @@ class SequenceTruncation:
             raise ValueError(f"seq_tis: cap={self.cap} must be > 0")
 
     def uncapped(self, view: CorrectionView) -> Tensor:
+        """(B, T) w_i on every position of trajectory i, before the cap."""
         log_w = view.sequence_log_ratio().clamp(-view.max_log_ratio, view.max_log_ratio)
         return log_w.exp()[:, None].expand(view.mask.shape)
-
-    def weights(self, view: CorrectionView) -> Tensor:
-        return self.uncapped(view).clamp(max=self.cap)
 
 
 @dataclass(frozen=True)
