@@ -267,6 +267,129 @@ _GROUP_BASELINE_OBJECTIVES = {"grpo", "dr_grpo", "rloo", "seq_tis", "token_tis",
                               "otb", "vcpo"}
 
 
+# Behaviour corrections (vcpo/corrections.py): stages applied before any objective, tagged on `type`
+
+
+class _RatioBand(StrictModel):
+    lower: float = Field(gt=0, le=1)
+    """Smallest kept ratio π_old/μ (≤ 1: a band without 1 would reject on-policy tokens)."""
+    upper: float = Field(ge=1)
+    """Largest kept ratio π_old/μ (≥ 1)."""
+
+    @model_validator(mode="after")
+    def _check_band(self) -> _RatioBand:
+        if not self.lower < self.upper or self.upper == float("inf"):
+            kind = getattr(self, "type", "band")
+            raise ValueError(f"{kind}: lower={self.lower} must be < upper={self.upper} < ∞ (the kept band "
+                             "[lower, upper] of the ratio π_old/μ), e.g. lower: 0.5, upper: 2.0")
+        return self
+
+
+class TokenTISCorrection(StrictModel):
+    """Token truncation: every kept token's policy loss × min(π_old/μ, cap), detached (veRL rollout_is:
+    token)."""
+
+    type: Literal["token_tis"] = "token_tis"
+    """Stage name."""
+    cap: float = Field(2.0, gt=0)
+    """Truncation C of the per-token weight."""
+
+
+class SeqTISCorrection(StrictModel):
+    """Sequence truncation: every kept token of a trajectory × min(w_i, cap), w_i = Π π_old/μ over its
+    kept tokens, detached (veRL rollout_is: sequence)."""
+
+    type: Literal["seq_tis"] = "seq_tis"
+    """Stage name."""
+    cap: float = Field(8.0, gt=0)
+    """Truncation C of the sequence weight."""
+
+
+class TokenRejectCorrection(_RatioBand):
+    """Token rejection (IcePop): a token whose π_old/μ lies outside [lower, upper] leaves the loss."""
+
+    type: Literal["token_reject"] = "token_reject"
+    """Stage name."""
+    lower: float = Field(0.5, gt=0, le=1)
+    """Smallest kept token ratio."""
+    upper: float = Field(2.0, ge=1)
+    """Largest kept token ratio."""
+
+
+class SeqRejectCorrection(_RatioBand):
+    """Sequence rejection (sequence MIS): a trajectory whose w_i = Π π_old/μ lies outside [lower, upper]
+    leaves the loss whole."""
+
+    type: Literal["seq_reject"] = "seq_reject"
+    """Stage name."""
+    lower: float = Field(0.125, gt=0, le=1)
+    """Smallest kept sequence weight."""
+    upper: float = Field(8.0, ge=1)
+    """Largest kept sequence weight."""
+
+
+class GeoRejectCorrection(_RatioBand):
+    """Geometric-mean rejection: a trajectory whose (Π π_old/μ)^(1/n) over its n kept tokens lies outside
+    [lower, upper] leaves the loss whole (length-independent, unlike seq_reject)."""
+
+    type: Literal["geo_reject"] = "geo_reject"
+    """Stage name."""
+    lower: float = Field(0.999, gt=0, le=1)
+    """Smallest kept per-token geometric mean."""
+    upper: float = Field(1.001, ge=1)
+    """Largest kept per-token geometric mean."""
+
+
+class K3RejectCorrection(StrictModel):
+    """K3 rejection: a trajectory whose K3 estimate of KL(μ‖π_old), e^ℓ − 1 − ℓ per kept token reduced by
+    `reduce`, exceeds `threshold` leaves the loss whole (veRL seq_mean_k3 / seq_sum_k3 / seq_max_k3)."""
+
+    type: Literal["k3_reject"] = "k3_reject"
+    """Stage name."""
+    threshold: float = Field(0.01, gt=0)
+    """Largest kept statistic."""
+    reduce: Literal["mean", "sum", "max"] = "mean"
+    """How the per-token K3 values of a trajectory combine."""
+
+
+class OPSMCorrection(StrictModel):
+    """Off-policy sequence masking (DeepSeek-V3.2, slime): a trajectory with reward below its group's mean
+    whose mean per-token log μ/π_old exceeds `delta` leaves the loss whole."""
+
+    type: Literal["opsm"] = "opsm"
+    """Stage name."""
+    delta: float = Field(1e-4, ge=0)
+    """KL threshold δ (slime's default 1e-4)."""
+
+
+Correction = Annotated[
+    TokenTISCorrection | SeqTISCorrection | TokenRejectCorrection | SeqRejectCorrection | GeoRejectCorrection
+    | K3RejectCorrection | OPSMCorrection,
+    Field(discriminator="type"),
+]
+
+_TRUNCATIONS = {"token_tis", "seq_tis"}
+
+
+def correction_label(stage: StrictModel) -> str:
+    """The stage's name in metrics (`correction/<label>/…`): its type; a k3_reject other than the mean
+    adds its reduction."""
+    kind = stage.type  # type: ignore[attr-defined]
+    reduce = getattr(stage, "reduce", "mean")
+    return kind if reduce == "mean" else f"{kind}_{reduce}"
+
+
+def takes_truncation(objective: StrictModel) -> bool:
+    """Whether a truncation stage may weight `objective`'s loss: not where the objective weighs it by a
+    behaviour ratio of its own (vcpo/objectives `accepts_token_weights`; a test keeps the two equal)."""
+    kind = objective.type  # type: ignore[attr-defined]
+    if kind in ("gspo", "cispo"):
+        return objective.ratio_to == "proximal"  # type: ignore[attr-defined]
+    if kind == "otb":
+        return not objective.use_is_weights  # type: ignore[attr-defined]
+    return kind in ("grpo", "dr_grpo", "reinforce", "rloo")
+
+
 class ESSLRConfig(StrictModel):
     """VCPO part 1: scale each step's lr by s(ρ), ρ = ESS/B of that minibatch."""
 
@@ -312,6 +435,34 @@ class AlgoConfig(StrictModel):
     """Per-token estimator of KL(π_θ‖π_ref)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Weight of the entropy bonus; 0 disables it."""
+    corrections: list[Correction] = Field(default_factory=list)
+    """Behaviour corrections applied before the objective (vcpo/corrections.py; docs/algorithm.md
+    "Corrections"): the token mask and the IS weights the objective, the ESS and OPOB then see. Token
+    rejections act first, then sequence rejections on the tokens they kept, then the truncation (at most
+    one), whatever the list's order. [] = none."""
+
+    @model_validator(mode="after")
+    def _check_corrections(self) -> AlgoConfig:
+        labels = [correction_label(stage) for stage in self.corrections]
+        for index, label in enumerate(labels):
+            if label in labels[:index]:
+                raise ValueError(f"algo.corrections[{index}] repeats {label!r} (first at algo.corrections"
+                                 f"[{labels.index(label)}]); give each stage once, narrowing its band or "
+                                 "threshold instead")
+        truncations = [i for i, stage in enumerate(self.corrections) if stage.type in _TRUNCATIONS]
+        if len(truncations) > 1:
+            raise ValueError(f"algo.corrections[{truncations[0]}] and [{truncations[1]}] both weight the "
+                             "loss; keep one of token_tis and seq_tis")
+        if truncations and not takes_truncation(self.objective):
+            index = truncations[0]
+            raise ValueError(
+                f"algo.corrections[{index}] ({self.corrections[index].type}) weights the loss by an IS "
+                f"ratio, but objective.type='{self.objective.type}' already weighs it by a behaviour "
+                "correction of its own (or, tba, has no per-token policy loss): the sample would be "
+                "corrected twice. Drop the stage (rejection stages stack under every objective), or use "
+                "objective.type grpo, dr_grpo, reinforce or rloo (gspo or cispo with ratio_to: proximal, otb "
+                "with use_is_weights: false)")
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> AlgoConfig:
@@ -330,16 +481,55 @@ class AlgoConfig(StrictModel):
 # The run
 
 
+class AutoLagConfig(StrictModel):
+    """`rollout.max_lag: auto` (rollout/lag_control.py; the control law in docs/algorithm.md): the bound k
+    follows the measured ESS ratio of the batches it admitted — lowered by one as soon as a batch falls below
+    `target_ess_ratio`, raised by one after `patience` batches in a row above it during which the learner
+    waited for data — within [min_lag, max_lag]."""
+
+    min_lag: int = Field(0, ge=0)
+    """Smallest bound (0 = the controller may go fully synchronous)."""
+    max_lag: int = Field(8, ge=0)
+    """Largest bound: every trajectory's lag stays ≤ this (a guarantee), and it sizes the buffer and
+    the default max_concurrent_groups."""
+    initial_lag: int | None = Field(None, ge=0)
+    """The bound at the start of a run; None = min_lag."""
+    target_ess_ratio: float = Field(0.5, gt=0, le=1)
+    """τ: a batch with ESS/B below it lowers the bound; batches above it may raise it. With algo.ess_lr the
+    lr already shrinks below its base_ess_ratio ρ₀; τ ≥ ρ₀ keeps the step size whole."""
+    patience: int = Field(3, ge=1)
+    """Judged batches in a row (ESS ratio ≥ τ, the learner waiting) before the bound is raised."""
+    min_idle_fraction: float = Field(0.05, ge=0, lt=1)
+    """The least share of a step the learner must have waited for its batch (idle / (idle + train)) for
+    the batch to count towards a raise: a learner that never waits gains nothing from a larger bound."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoLagConfig:
+        if self.min_lag > self.max_lag:
+            raise ValueError(f"rollout.auto_lag.min_lag={self.min_lag} > max_lag={self.max_lag}; the bound "
+                             "moves within [min_lag, max_lag]: lower min_lag or raise max_lag")
+        if self.initial_lag is not None and not self.min_lag <= self.initial_lag <= self.max_lag:
+            raise ValueError(f"rollout.auto_lag.initial_lag={self.initial_lag} lies outside [min_lag, "
+                             f"max_lag] = [{self.min_lag}, {self.max_lag}]; pick a start inside it, or null "
+                             "for min_lag")
+        return self
+
+
 class RolloutConfig(StrictModel):
     """The asynchronous rollout manager (rollout/manager.py)."""
 
-    max_lag: int = Field(2, ge=0)
+    max_lag: Annotated[int, Field(ge=0)] | Literal["auto"] = 2
     """k: the most policy versions a trajectory may lag behind the learner when consumed (a
-    guarantee). 0 = synchronous on-policy RL."""
+    guarantee). 0 = synchronous on-policy RL. 'auto': the bound follows the measured ESS within
+    [auto_lag.min_lag, auto_lag.max_lag] (the `auto_lag` section); each group keeps the bound it was
+    admitted under, and its lag stays ≤ that."""
+    auto_lag: AutoLagConfig = Field(default_factory=AutoLagConfig)
+    """The controller of max_lag: auto (ignored with a fixed max_lag)."""
     groups_per_step: int = Field(4, ge=1)
     """Prompts (groups of algo.group_size episodes) per optimizer step."""
     max_concurrent_groups: int | None = Field(None, ge=1)
-    """Groups generating at once; None = groups_per_step × (max_lag + 1) (everything the bound allows)."""
+    """Groups generating at once; None = groups_per_step × (k + 1), k = max_lag or, with 'auto',
+    auto_lag.max_lag (everything the bound allows)."""
     max_group_attempts: int = Field(3, ge=1)
     """A batch slot whose group fails this many times in a row stops the run (a systemic error)."""
     dynamic_sampling: bool = False
@@ -353,6 +543,11 @@ class RolloutConfig(StrictModel):
     """Stress-test mode (`vcpo bench staleness`): before each step the learner waits until the engine
     has generated everything the bound admits, so every batch lags by exactly min(k, step). Off =
     normal asynchrony: the realised lag is ≤ k and depends on engine vs learner speed."""
+
+    @property
+    def lag_ceiling(self) -> int:
+        """The largest bound the run can use: max_lag, or auto_lag.max_lag with 'auto'."""
+        return self.auto_lag.max_lag if self.max_lag == "auto" else self.max_lag
 
 
 class MegatronConfig(StrictModel):
@@ -617,6 +812,15 @@ class RunConfig(StrictModel):
             raise ValueError(f"trainer.eval_every={self.trainer.eval_every} needs launcher='local' (the "
                              "held-out evaluation runs on the local engine); set trainer.eval_every=0 with "
                              "launcher='ray'")
+        return self
+
+    @model_validator(mode="after")
+    def _check_corrections_proximal(self) -> RunConfig:
+        if self.algo.corrections and self.learner.proximal == "reuse":
+            raise ValueError("algo.corrections judge every token by log π_old before the gradient pass, "
+                             "but learner.proximal='reuse' takes log π_old from that pass; set "
+                             "learner.proximal to 'separate' or 'auto' (which keeps the separate forward "
+                             "with corrections)")
         return self
 
     @model_validator(mode="after")

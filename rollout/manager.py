@@ -9,6 +9,11 @@ synchronous on-policy RL: batch `b` is generated entirely by version `b` while t
 At most `groups_per_batch · (k + 1)` groups are admitted and not yet consumed (the buffer bound),
 and at most `max_concurrent_groups` run at once (admission control / backpressure).
 
+The bound may change during a run (`set_max_lag`, driven by `rollout/lag_control.py` under
+`rollout.max_lag: auto`): each group records the bound it was admitted under (`GroupTicket.lag_bound`)
+and lags at most that; a lowered bound holds back new admissions and replacements alike (a replacement
+is admitted under the bound in force then), while groups already admitted keep their own bound.
+
 Partial rollouts: weights are published with `sync_weights`, which pauses the engine at a step
 boundary, loads them with the new version and resumes; generations in flight continue with the new
 weights and their per-token versions/logprobs stay exact (the engine protocol guarantees it).
@@ -43,7 +48,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout.errors import EngineUnavailable
@@ -71,6 +76,9 @@ class GroupTicket:
     """Published version at admission (≤ every token's version)."""
     refill: int = 0
     """0, or n for the n-th group of this slot's batch that replaced one dynamic sampling dropped."""
+    lag_bound: int | None = None
+    """The lag bound in force at admission: the group's lag is at most this (None: not admitted yet, or
+    restored from a checkpoint written before the bound was recorded)."""
 
 
 RunGroup = Callable[[GroupTicket], Awaitable[Sequence[Trajectory]]]
@@ -222,6 +230,14 @@ class RolloutManager:
             await self.engine.resume()
         await self.publish_version(version)
 
+    async def set_max_lag(self, bound: int) -> None:
+        """Change the lag bound k for every admission from now on (groups admitted before keep theirs)."""
+        if bound < 0:
+            raise ValueError(f"max_lag={bound} must be ≥ 0")
+        async with self._changed:
+            self.max_lag = bound
+            self._changed.notify_all()
+
     async def publish_version(self, version: int) -> None:
         """Record that the engine now serves `version` (when weights were loaded elsewhere)."""
         async with self._changed:
@@ -243,29 +259,39 @@ class RolloutManager:
 
     # --- admission -------------------------------------------------------------------------------
 
+    def _in_bound(self, batch: int) -> bool:
+        return batch - self.max_lag <= self._version  # lag bound: b − v_start ≤ b − v ≤ k
+
+    def _admissible_retry(self) -> int | None:
+        """Index in `_retry` of the first replacement the bound in force admits now (a replacement's slot
+        was admitted under an earlier bound, which may have been lowered since)."""
+        return next((i for i, ticket in enumerate(self._retry) if self._in_bound(ticket.batch_index)), None)
+
     def _can_admit(self) -> bool:
         if len(self._in_flight) >= self.max_concurrent_groups:
             return False
-        if self._retry:
+        if self._admissible_retry() is not None:
             return True
         batch = self._next_group_index // self.groups_per_batch
         if self.total_batches is not None and batch >= self.total_batches:
             return False  # past the last slot the learner consumes
-        return batch - self.max_lag <= self._version  # lag bound: b − v_start ≤ b − v ≤ k
+        return self._in_bound(batch)
 
     async def _admit_forever(self) -> None:
         while True:
             async with self._changed:
                 await self._changed.wait_for(self._can_admit)
-                if self._retry:
-                    ticket = self._retry.pop(0)
+                retry = self._admissible_retry()
+                if retry is not None:
+                    ticket = self._retry.pop(retry)
                     if ticket.prompt_position < 0:  # a replacement: a fresh prompt, admitted now
                         ticket = GroupTicket(ticket.group_index, ticket.batch_index, self._take_prompt(),
                                              ticket.attempt, self._version, ticket.refill)
+                    ticket = replace(ticket, lag_bound=self.max_lag)
                 else:
                     index = self._next_group_index
                     ticket = GroupTicket(index, index // self.groups_per_batch, self._take_prompt(), 0,
-                                         self._version)
+                                         self._version, lag_bound=self.max_lag)
                     self._next_group_index += 1
                 task = asyncio.create_task(self._run(ticket), name=f"group-{ticket.group_index}")
                 self._in_flight[ticket.group_index] = (ticket, task)

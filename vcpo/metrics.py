@@ -77,15 +77,27 @@ def staleness_metrics(lags: Tensor, valid: Tensor, num_bins: int = STALENESS_HIS
 
 
 def is_weight_metrics(
-    seq_log_ratios: Tensor, valid: Tensor, cap: float = 8.0, max_log_ratio: float = DEFAULT_MAX_LOG_RATIO
+    seq_log_ratios: Tensor,
+    valid: Tensor,
+    cap: float = 8.0,
+    max_log_ratio: float = DEFAULT_MAX_LOG_RATIO,
+    weightless: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """is/{ess_ratio, ess_ratio_clipped, w_max, w_p99, log_w_mean, log_w_min, log_w_max} over valid
     trajectories.
 
     seq_log_ratios: (B,) L_i = log w_i (finite where valid). valid: (B,) bool. cap: C of w̄.
+    weightless: (B,) bool, valid trajectories with w = 0 (a correction rejected them): they count in the
+    ESS ratio's B but in no sum, and in none of the other statistics; None = none.
     w_max and w_p99 are reported from clamped L (≤ e^max_log_ratio); log_w_mean, log_w_min and log_w_max
     are unclamped (they show whether any L_i went past the clamp).
     """
+    if weightless is not None:
+        zero_weight = torch.where(weightless, -torch.inf, seq_log_ratios.float())
+        metrics = is_weight_metrics(seq_log_ratios, valid & ~weightless, cap, max_log_ratio)
+        metrics[IS_ESS_RATIO] = ess_ratio(zero_weight, valid)
+        metrics[IS_ESS_RATIO_CLIPPED] = ess_ratio(zero_weight.clamp(max=math.log(cap)), valid)
+        return metrics
     log_w = torch.where(valid, seq_log_ratios.float(), torch.zeros_like(seq_log_ratios, dtype=torch.float32))
     weights = torch.where(valid, clamp_log_ratios(log_w, max_log_ratio).exp(), torch.zeros_like(log_w))
     valid_weights = weights[valid]  # one sync: the quantile needs the valid count

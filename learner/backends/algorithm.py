@@ -1,4 +1,4 @@
-"""Config → algorithm objects: the objective and the step-size rule of `AlgoConfig`.
+"""Config → algorithm objects: the objective, the correction stages and the step-size rule of `AlgoConfig`.
 
 The registry in `vcpo/` takes plain keyword parameters; this is the one place that maps the typed
 config onto them, so the schema and the registry cannot drift apart unnoticed (a test builds every
@@ -10,6 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 from configs.schema import AlgoConfig
+from vcpo.corrections import (
+    GeometricRejection,
+    K3Rejection,
+    OffPolicySequenceMasking,
+    SequenceRejection,
+    SequenceTruncation,
+    Stage,
+    TokenRejection,
+    TokenTruncation,
+)
 from vcpo.objectives import Objective
 from vcpo.registry import make_lr_scale_rule, make_objective
 from vcpo.step_size import ConstantLr, EssLr, StalenessLr
@@ -37,6 +47,19 @@ def objective_params(algo: AlgoConfig) -> dict[str, Any]:
 def build_objective(algo: AlgoConfig) -> Objective:
     """The policy objective configured in `algo`."""
     return make_objective(algo.objective.type, **objective_params(algo))
+
+
+_STAGES: dict[str, type] = {
+    "token_tis": TokenTruncation, "seq_tis": SequenceTruncation, "token_reject": TokenRejection,
+    "seq_reject": SequenceRejection, "geo_reject": GeometricRejection, "k3_reject": K3Rejection,
+    "opsm": OffPolicySequenceMasking,
+}
+"""`algo.corrections[i].type` → its stage in vcpo/corrections.py (the other fields are its parameters)."""
+
+
+def build_corrections(algo: AlgoConfig) -> tuple[Stage, ...]:
+    """The behaviour-correction stages of `algo.corrections`, in the listed order."""
+    return tuple(_STAGES[stage.type](**stage.model_dump(exclude={"type"})) for stage in algo.corrections)
 
 
 def build_lr_scale_rule(algo: AlgoConfig) -> EssLr | StalenessLr | ConstantLr:

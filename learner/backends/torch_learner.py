@@ -3,6 +3,9 @@
 A step (docs/algorithm.md):
 1. pack the trajectories (no padding) into token-budget micro-batches of whole groups;
 2. proximal forward (no grad): `log π_old` of every sampled token — θ at the start of the step;
+   with `algo.corrections`, the stages (vcpo/corrections.py) then judge every token by it once, on the
+   whole minibatch, and the micro-batches are re-packed with the tokens they kept, so every later pass,
+   the objective, the ESS and VCPO's norms see only those (and a truncation's weights);
 3. gradient: VCPO accumulates `−Σ (a_i − b*_g s_i) ∇ℓ_i` with exact per-trajectory norms
    (`learner/traj_grads/opob_grad.py`, one backward per micro-batch on the fast path), then back-propagates
    its KL term per micro-batch (an extra forward/backward each, only with kl_coef > 0); every other
@@ -43,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from configs.schema import AlgoConfig, OptimConfig
-from learner.backends.algorithm import build_lr_scale_rule, build_objective
+from learner.backends.algorithm import build_corrections, build_lr_scale_rule, build_objective
 from learner.distributed.data_parallel import DataParallel, assign_groups
 from learner.forward.fused_layers import FusedElementwise, compiler_problem
 from learner.forward.logprobs import autocast, can_share_prompts, packed_target_logprobs, packed_target_stats
@@ -63,6 +66,7 @@ from learner.traj_grads.opob_grad import (
 )
 from rollout.trajectory import Trajectory
 from rollout.types import DEFAULT_TEMPERATURE
+from vcpo.corrections import Correction, apply_corrections
 from vcpo.groups import index_groups, single_group
 from vcpo.objectives import BatchContext, PolicyLossInputs
 from vcpo.step_size import StepSizeInputs
@@ -127,6 +131,8 @@ class TorchLearner:
             self.fused = FusedElementwise(model)
         self.algo, self.optim_config = algo, optim
         self.objective = build_objective(algo)
+        self.corrections = build_corrections(algo)
+        """`algo.corrections`: the stages applied to every minibatch after the proximal pass."""
         self.lr_rule = build_lr_scale_rule(algo)
         self.micro_batch_tokens = micro_batch_tokens
         self.temperature = temperature
@@ -151,6 +157,10 @@ class TorchLearner:
         return True if self.device.type in ("cpu", "cuda") else None
 
     def _check_supported(self) -> None:
+        if self.corrections and self.proximal == "reuse":
+            raise ValueError("algo.corrections judge every token by log π_old before the gradient pass, but "
+                             "learner.proximal='reuse' takes log π_old from that pass; set learner.proximal "
+                             "to 'separate' or 'auto'")
         if self.objective.needs_entropy:
             raise ValueError(
                 "entropy_coef > 0 needs the policy's entropy with gradients, which the torch learner does "
@@ -233,6 +243,11 @@ class TorchLearner:
                                    for mb, own, layout in zip(microbatches, mine, layouts, strict=True)])
         proximal_s, started = time.perf_counter() - started, time.perf_counter()
         full = _FullBatch(microbatches, size, old, behavior, ref, self.device, sum_sq, layouts)
+        correction = None
+        if self.corrections:  # the kept tokens re-packed: every later pass and statistic sees only those
+            correction, ranked, full, quiet = self._correct(full, tokens, rewards, group_ids, lags)
+            microbatches = [mb for mb, _ in ranked]
+            mine = [owner == rank for _, owner in ranked]
         num_units = full.num_units(self.objective.loss_aggregation)
         norms, skipped_groups = None, 0
         with self._gradient_forwards():  # the fused kernels, where on, for every gradient forward
@@ -259,11 +274,13 @@ class TorchLearner:
         optimizer_s = time.perf_counter() - started
         metrics: dict[str, Any] = {key: _plain(value) for key, value in output.metrics.items()}
         metrics.update({key: _plain(value) for key, value in lr_scale.metrics.items()})
+        if correction is not None:
+            metrics.update({key: _plain(value) for key, value in correction.metrics.items()})
         metrics.update({"lr/base": base_lr, "grad/norm": grad_norm,
                         "train/trajectories": size, "train/micro_batches": len(microbatches),
                         "train/prompt_tokens_shared": sum(
                             mb.num_tokens - layout.num_tokens
-                            for mb, layout in zip(microbatches, layouts, strict=True) if layout),
+                            for mb, layout in zip(full.microbatches, full.layouts, strict=True) if layout),
                         "train/skipped_groups": skipped_groups,
                         "train/nonfinite_trajectories": int(output.counts.nonfinite_trajectories),
                         "train/degenerate_groups": int(output.counts.degenerate_groups),
@@ -272,6 +289,56 @@ class TorchLearner:
         if self.data_parallel is not None:
             metrics.update(self._balance_metrics(ranked))
         return metrics
+
+    def _correct(self, full: _FullBatch, tokens: list[TrajectoryTokens], rewards: Tensor, group_ids: Tensor,
+                 lags: Tensor) -> tuple[Correction, list[tuple[PackedMicroBatch, int]], _FullBatch,
+                                        list[bool]]:
+        """Run `algo.corrections` on the whole minibatch (every rank has all of `log π_old`, so every rank
+        gets the same answer) and re-pack it with the tokens they kept: a rejected token is no longer a
+        target, a rejected trajectory has none (as a task-filtered one). The sequences are unchanged, so
+        the packing keeps its groups and ranks; the proximal values move with their tokens. Returns the
+        correction, the new (micro-batch, rank) list, the new `_FullBatch` and its silent micro-batches."""
+        stacked = full.inputs(full.old, rewards, group_ids, lags, None, 0.0)
+        correction = apply_corrections(
+            self.corrections, stacked.old_logprobs, stacked.behavior_logprobs, stacked.loss_mask, rewards,
+            group_ids, lags, self.objective.max_log_ratio)
+        kept = correction.loss_mask & full.mask
+        kept_list = kept.tolist()
+        corrected_tokens = []
+        for i, t in enumerate(tokens):
+            trained = iter(kept_list[i])  # column c of row i is the c-th trained position of trajectory i
+            mask = [bool(m) and next(trained) for m in t.loss_mask]
+            corrected_tokens.append(TrajectoryTokens(t.token_ids, mask, group_id=t.group_id,
+                                                     token_weights=t.token_weights))
+        silent = (self._silent_trajectories(corrected_tokens, rewards, group_ids)
+                  if self.objective.needs_grad_norms else None)
+        ranked = self._pack_ranked(corrected_tokens, apart=silent)
+        microbatches = [mb for mb, _ in ranked]
+        rank = self.data_parallel.rank if self.data_parallel is not None else 0
+        mine = [owner == rank for _, owner in ranked]
+        quiet = [silent is not None and bool(silent[mb.trajectory_indices].all()) for mb in microbatches]
+        # kept columns first, in their order: row i of the new layout is its kept tokens, left-aligned
+        order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)
+        counts = kept.sum(dim=1, keepdim=True)
+        filled = torch.arange(kept.shape[1], device=kept.device)[None, :] < counts
+
+        def per_microbatch(values: Tensor) -> list[Tensor]:
+            compact = torch.where(filled, values.gather(1, order), 0.0)
+            flats = []
+            for mb in microbatches:
+                pad = TargetPadding(mb)
+                flats.append(compact[mb.trajectory_indices][:, : pad.shape[1]][pad.mask])
+            return flats
+
+        layouts = self._shared_prompt_layouts(microbatches, mine)
+        weights = None if correction.token_weights is None else per_microbatch(correction.token_weights)
+        corrected = _FullBatch(
+            microbatches, full.size, per_microbatch(stacked.old_logprobs),
+            per_microbatch(stacked.behavior_logprobs),
+            None if full.ref is None else per_microbatch(stacked.ref_logprobs), self.device,
+            None if full.sum_sq is None else per_microbatch(stacked.sum_probs_squared), layouts,
+            token_weights=weights, rejected=correction.rejected)
+        return correction, ranked, corrected, quiet
 
     def _balance_metrics(self, ranked: list[tuple[PackedMicroBatch, int]]) -> dict[str, float]:
         """Tokens per data-parallel rank this step: the busiest rank's share against a perfect split."""
@@ -416,7 +483,9 @@ class TorchLearner:
                 behavior_logprobs=pad(full.behavior[index]), loss_mask=pad.mask, rewards=rewards[local],
                 group_ids=group_ids[local], lags=lags[local],
                 ref_logprobs=pad(full.ref[index]) if full.ref is not None else None,
-                sum_probs_squared=pad(full.sum_sq[index]) if full.sum_sq is not None else None)
+                sum_probs_squared=pad(full.sum_sq[index]) if full.sum_sq is not None else None,
+                token_weights=pad(full.token_weights[index]) if full.token_weights is not None else None,
+                rejected=full.rejected[local] if full.rejected is not None else None)
             yield inputs, context.select(local, pad.shape[1])
 
     def _objective_gradient(self, full: _FullBatch, context: BatchContext, rewards: Tensor, group_ids: Tensor,
@@ -443,8 +512,8 @@ class TorchLearner:
         """Whether this step takes log π_old from the gradient pass's forward (`proximal`): VCPO on the
         fast norm path, without the OTB statistics; 'auto' only where that forward is in the weights'
         dtype (no autocast), so the log-probs are those a separate forward would give."""
-        if self.proximal == "separate" or not self.objective.needs_grad_norms:
-            return False
+        if self.proximal == "separate" or not self.objective.needs_grad_norms or self.corrections:
+            return False  # corrections read log π_old before the gradient pass
         if self.algo.objective.opob.grad_norm_path != "fast" or self.objective.needs_sum_probs_squared:
             return False
         return self.proximal == "reuse" or self.autocast_dtype is None
@@ -557,12 +626,16 @@ class _FullBatch:
 
     def __init__(self, microbatches: list[PackedMicroBatch], size: int, old: list[Tensor],
                  behavior: list[Tensor], ref: list[Tensor] | None, device: torch.device,
-                 sum_sq: list[Tensor] | None = None, layouts: list[SharedPrefixLayout | None] | None = None
-                 ) -> None:
+                 sum_sq: list[Tensor] | None = None, layouts: list[SharedPrefixLayout | None] | None = None,
+                 token_weights: list[Tensor] | None = None, rejected: Tensor | None = None) -> None:
         self.microbatches, self.size, self.device = microbatches, size, device
         self.layouts = layouts or [None] * len(microbatches)
         """Per micro-batch, its layout with each group's prompt once (None: the full packed row)."""
         self.old, self.behavior, self.ref, self.sum_sq = old, behavior, ref, sum_sq
+        self.token_weights = token_weights
+        """Per micro-batch, a truncation correction's weight of each target (None: no truncation)."""
+        self.rejected = rejected
+        """(B,) bool, trajectories the corrections rejected whole (None: no corrections)."""
         self.padding = [TargetPadding(mb) for mb in microbatches]
         self.width = max([max(mb.target_counts) for mb in microbatches] + [1])
 
@@ -603,7 +676,9 @@ class _FullBatch:
             group_ids=group_ids, lags=lags,
             ref_logprobs=self._stack(self.ref) if self.ref is not None else None,
             sum_probs_squared=self._stack(self.sum_sq) if self.sum_sq is not None else None,
-            seq_sq_grad_norms=norms, num_units=num_units)
+            seq_sq_grad_norms=norms, num_units=num_units,
+            token_weights=self._stack(self.token_weights) if self.token_weights is not None else None,
+            rejected=self.rejected)
 
 
 def _plain(value: Tensor | float) -> float | list[float]:

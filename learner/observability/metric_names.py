@@ -12,6 +12,20 @@ It only names things: computing, reducing across ranks and writing metrics happe
 
 from __future__ import annotations
 
+from rollout.lag_control import (
+    ROLLOUT_IDLE_FRACTION,
+    ROLLOUT_LAG_JUDGED,
+    ROLLOUT_LAG_LOWERS,
+    ROLLOUT_LAG_MOVE,
+    ROLLOUT_LAG_RAISES,
+    ROLLOUT_MAX_LAG,
+)
+from vcpo.corrections import (
+    CORRECTION_REJECTED_BY_LAG,
+    CORRECTION_REJECTED_TOKENS,
+    CORRECTION_REJECTED_TRAJECTORIES,
+    stage_metric,
+)
 from vcpo.metrics import (
     IS_ESS_RATIO,
     IS_ESS_RATIO_CLIPPED,
@@ -109,8 +123,20 @@ ROLLOUT_REWARD_MEAN_GENERATED = "rollout/reward_mean_generated"
 """rollout.dynamic_sampling: the mean reward over every episode generated for this step, the dropped ones
 included — the policy's own level; `reward/mean` (the trained episodes) is tilted towards groups with a
 spread."""
+# ROLLOUT_MAX_LAG: the lag bound in force after the step (every run). With rollout.max_lag: auto
+# (rollout/lag_control.py) also ROLLOUT_LAG_MOVE (−1, 0, +1 this step), ROLLOUT_LAG_RAISES and
+# ROLLOUT_LAG_LOWERS (running totals), ROLLOUT_LAG_JUDGED (1 when the batch was judged: all its groups
+# admitted under the bound in force) and ROLLOUT_IDLE_FRACTION (the learner's idle / (idle + train)).
 ROLLOUT_REGENERATED_GROUPS = "rollout/regenerated_groups"
 """launcher=ray: groups regenerated (same prompt) because their rollout actor died: a running total."""
+
+# --- Behaviour corrections (algo.corrections; vcpo/corrections.py), when configured. ----------------
+# CORRECTION_REJECTED_TOKENS: share of the sampled tokens the stages removed together;
+# CORRECTION_REJECTED_TRAJECTORIES: share of the trajectories with sampled tokens that kept none;
+# CORRECTION_REJECTED_BY_LAG: per staleness bin (those of staleness/hist), the removed share of the bin's
+# sampled tokens (null for an empty bin). Each stage adds `stage_metric(label, what)` =
+# correction/<label>/{rejected_tokens, rejected_tokens_by_lag, rejected_trajectories} (a rejection) or
+# correction/<label>/{truncated_tokens, weight_mean} (a truncation).
 
 # --- Loss. -------------------------------------------------------------------------------------
 TRAIN_LOSS = "train/loss"
@@ -197,8 +223,17 @@ OPTIONAL = (
     ROLLOUT_REFILLS,
     ROLLOUT_REFILLED_GROUPS,
     ROLLOUT_REFILL_TOKENS,
+    ROLLOUT_MAX_LAG,
+    ROLLOUT_LAG_MOVE,
+    ROLLOUT_LAG_RAISES,
+    ROLLOUT_LAG_LOWERS,
+    ROLLOUT_LAG_JUDGED,
+    ROLLOUT_IDLE_FRACTION,
     TRAIN_LOSS,
     TRAIN_ENTROPY,
+    CORRECTION_REJECTED_TOKENS,
+    CORRECTION_REJECTED_TRAJECTORIES,
+    CORRECTION_REJECTED_BY_LAG,
     EVAL_SUCCESS,
     EVAL_SUCCESS_LOW,
     EVAL_SUCCESS_HIGH,
@@ -239,6 +274,9 @@ def staleness_bin_label(index: int, num_bins: int = STALENESS_HIST_BINS, width: 
 __all__ = [
     "ALL_METRICS",
     "AXES",
+    "CORRECTION_REJECTED_BY_LAG",
+    "CORRECTION_REJECTED_TOKENS",
+    "CORRECTION_REJECTED_TRAJECTORIES",
     "EVAL_NO_ANSWER_FRAC",
     "EVAL_PROMPTS",
     "EVAL_RESPONSE_TOKENS_MEAN",
@@ -270,6 +308,12 @@ __all__ = [
     "REWARD_STD",
     "ROLLOUT_FAILED_GROUPS",
     "ROLLOUT_FILTERED_FRAC",
+    "ROLLOUT_IDLE_FRACTION",
+    "ROLLOUT_LAG_JUDGED",
+    "ROLLOUT_LAG_LOWERS",
+    "ROLLOUT_LAG_MOVE",
+    "ROLLOUT_LAG_RAISES",
+    "ROLLOUT_MAX_LAG",
     "ROLLOUT_REFILLED_GROUPS",
     "ROLLOUT_REFILLS",
     "ROLLOUT_REFILL_TOKENS",
@@ -305,6 +349,7 @@ __all__ = [
     "TREND_SUCCESS_HIGH",
     "TREND_SUCCESS_LOW",
     "WALL_S",
+    "stage_metric",
     "staleness_bin_bounds",
     "staleness_bin_label",
 ]

@@ -121,8 +121,9 @@ def _json_value(key: str, value: Any) -> float | int | list[float | int | None] 
 
 
 def _hist_labels(key: str, count: int) -> list[str]:
-    """Tag suffixes for a list-valued metric's entries: lag bins for staleness/hist, else indices."""
-    if key == STALENESS_HIST:
+    """Tag suffixes for a list-valued metric's entries: lag bins for staleness/hist and the per-lag
+    metrics (`…_by_lag`, e.g. correction/rejected_tokens_by_lag), else indices."""
+    if key == STALENESS_HIST or key.endswith("_by_lag"):
         width = len(str(2 ** max(count - 2, 0)))
         return [staleness_bin_label(index, count, width=width) for index in range(count)]
     return [str(index) for index in range(count)]

@@ -1,7 +1,8 @@
 """`vcpo plot`: one PNG dashboard of a run from its metrics.jsonl.
 
 A 3×3 grid against trainer_step: reward (± std, moving average); ESS ratio with the lr scale it
-drives; the staleness histogram summed over all steps and the lag over steps; pre-clip gradient
+drives; the staleness histogram summed over all steps and the lag over steps (with the bound in force
+and, under `rollout.max_lag: auto`, its moves); pre-clip gradient
 norm; KL(μ‖π_old) (is/kl_k3); tool use per trajectory; where each learner step's time went; and
 throughput. A panel whose metrics the run did not log says "not logged" instead of failing, so
 the same dashboard serves every algorithm and partial runs (it reads safely while a run writes).
@@ -34,6 +35,10 @@ from learner.observability.metric_names import (
     POLICY_VERSION,
     REWARD_MEAN,
     REWARD_STD,
+    ROLLOUT_LAG_LOWERS,
+    ROLLOUT_LAG_MOVE,
+    ROLLOUT_LAG_RAISES,
+    ROLLOUT_MAX_LAG,
     ROLLOUT_TOOL_CALLS_MEAN,
     ROLLOUT_TOOL_ERRORS_MEAN,
     ROLLOUT_TURNS_MEAN,
@@ -250,7 +255,29 @@ def _staleness_hist(axes: Axes, run: _Run) -> None:
 
 
 def _staleness_lag(axes: Axes, run: _Run) -> None:
-    _lines(axes, run, [STALENESS_MEAN, STALENESS_MAX], "policy lag per step (versions)")
+    """The realised lag, and the bound in force (rollout/max_lag) as a staircase with the moves of
+    `rollout.max_lag: auto` marked: ▲ raised, ▼ lowered."""
+    title = "policy lag per step (versions)"
+    if not _lines(axes, run, [STALENESS_MEAN, STALENESS_MAX], title):
+        return
+    if not run.has(ROLLOUT_MAX_LAG):
+        return
+    bound = run.column(ROLLOUT_MAX_LAG)
+    axes.step(run.steps, bound, where="post", color="black", linewidth=1.4,
+              label=f"{ROLLOUT_MAX_LAG} (bound)")
+    if run.has(ROLLOUT_LAG_MOVE):
+        moves = run.column(ROLLOUT_LAG_MOVE)
+        marks = ((1, "^", "tab:green", "bound raised"), (-1, "v", "tab:red", "bound lowered"))
+        for sign, marker, color, label in marks:
+            at = moves == sign
+            if at.any():
+                axes.plot(run.steps[at], bound[at], linestyle="none", marker=marker, markersize=8,
+                          color=color, label=label)
+        raises = int(np.nanmax(run.column(ROLLOUT_LAG_RAISES))) if run.has(ROLLOUT_LAG_RAISES) else 0
+        lowers = int(np.nanmax(run.column(ROLLOUT_LAG_LOWERS))) if run.has(ROLLOUT_LAG_LOWERS) else 0
+        axes.set_title(f"{title}; bound auto: {raises} raised, {lowers} lowered")
+    axes.set_ylim(bottom=0)
+    axes.legend(loc="best", fontsize=9)
 
 
 def _grad_norm(axes: Axes, run: _Run) -> None:

@@ -130,13 +130,15 @@ def load_checkpoint(
 
 
 # What a checkpoint's rollout state depends on: its batch slots hold groups of `group_size` episodes,
-# `groups_per_step` to a slot, drawn from the data order that `seed` shuffles, each within `max_lag`.
+# `groups_per_step` to a slot, drawn from the data order that `seed` shuffles, each within the lag bound
+# it was admitted under (≤ max_lag, or ≤ auto_lag.max_lag with max_lag: auto).
 _RESUME_MUST_MATCH = (("algo", "group_size"), ("rollout", "groups_per_step"), ("seed",))
 
 
 def resume_conflicts(run_dir: Path, config: dict[str, Any]) -> list[str]:
     """Why `config` (a RunConfig dump) cannot resume run_dir's newest checkpoint; [] when it can (or
-    there is none). A larger max_lag or more total_steps are fine; so is another lr."""
+    there is none). A larger lag ceiling (max_lag, or auto_lag.max_lag under auto), more total_steps or
+    another lr are fine."""
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         return []
@@ -156,9 +158,22 @@ def resume_conflicts(run_dir: Path, config: dict[str, Any]) -> list[str]:
             name = ".".join(path)
             problems.append(f"{name}: {now!r}, but {checkpoint} was written with {name}={was!r}; resume with "
                             f"{name}={was!r}, or train into a new run_dir")
-    was_lag, now_lag = at(saved, ("rollout", "max_lag")), at(config, ("rollout", "max_lag"))
-    if isinstance(was_lag, int) and isinstance(now_lag, int) and now_lag < was_lag:
-        problems.append(f"rollout.max_lag: {now_lag}, but {checkpoint} holds groups generated under "
-                        f"max_lag={was_lag}, which may lag more than {now_lag}; resume with "
-                        f"max_lag ≥ {was_lag}, or train into a new run_dir")
+    was_lag, now_lag = _lag_ceiling(saved), _lag_ceiling(config)
+    if was_lag is not None and now_lag is not None and now_lag[0] < was_lag[0]:
+        problems.append(f"{now_lag[1]}: {now_lag[0]}, but {checkpoint} holds groups generated under "
+                        f"{was_lag[1]}={was_lag[0]}, which may lag more than {now_lag[0]}; resume with "
+                        f"{now_lag[1]} ≥ {was_lag[0]}, or train into a new run_dir")
     return problems
+
+
+def _lag_ceiling(config: dict[str, Any]) -> tuple[int, str] | None:
+    """(the largest lag bound of a RunConfig dump, the field that sets it): rollout.max_lag, or with
+    `max_lag: auto` rollout.auto_lag.max_lag; None when the dump has neither."""
+    rollout = config.get("rollout") if isinstance(config, dict) else None
+    if not isinstance(rollout, dict):
+        return None
+    lag = rollout.get("max_lag")
+    if lag == "auto":
+        ceiling = (rollout.get("auto_lag") or {}).get("max_lag")
+        return (ceiling, "rollout.auto_lag.max_lag") if isinstance(ceiling, int) else None
+    return (lag, "rollout.max_lag") if isinstance(lag, int) else None

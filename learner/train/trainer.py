@@ -10,7 +10,9 @@ Per step: wait for the batch slot (idle_learner), apply the task's loss filters,
 push weights (weight_sync), log every docs/algorithm.md metric to metrics.jsonl/TensorBoard, show progress,
 and every `checkpoint_every` steps write an atomic checkpoint (model, optimizer, step, RNG, data
 position, unconsumed groups and slots in flight). A resumed run restarts from the newest complete
-checkpoint with the same lag bound, and no group is lost or used twice (rollout/manager.py).
+checkpoint with the same lag bound, and no group is lost or used twice (rollout/manager.py). With
+`rollout.max_lag: auto` the bound follows the measured ESS (rollout/lag_control.py): after each step the
+controller judges the batch and moves the manager's bound; its state is checkpointed with the rest.
 
 What it does not do: read config files (the CLI does), run episodes or groups (agent_env/runtime.py)
 or know any engine/tool/task specifics.
@@ -53,6 +55,7 @@ from learner.train.checkpointing import (
 )
 from learner.train.process import process_cpu_seconds, step_and_trim
 from rollout.errors import EngineUnavailable
+from rollout.lag_control import ROLLOUT_MAX_LAG, LagController, LagControlSettings, idle_fraction
 from rollout.manager import GroupTicket, RolloutManager
 from rollout.openmp import release_openmp_threads
 from rollout.trajectory import Trajectory
@@ -100,6 +103,17 @@ def step_input(
             is_cut = task.filters.remove_truncated and trajectory.task.is_truncated
             trained.append(not (is_void or is_cut))
     return StepInput(trajectories, group_ids, lags, trained)
+
+
+def lag_controller(config: RunConfig) -> LagController | None:
+    """The controller of `rollout.max_lag: auto` (rollout/lag_control.py); None with a fixed bound."""
+    rollout = config.rollout
+    if rollout.max_lag != "auto":
+        return None
+    auto = rollout.auto_lag
+    return LagController(LagControlSettings(
+        min_lag=auto.min_lag, max_lag=auto.max_lag, target_ess_ratio=auto.target_ess_ratio,
+        patience=auto.patience, min_idle_fraction=auto.min_idle_fraction, initial_lag=auto.initial_lag))
 
 
 def rollout_metrics(batch: StepInput) -> dict[str, float]:
@@ -188,11 +202,12 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer, rollout = config.trainer, config.rollout
     run_group = runtime.group_runner(config.algo.group_size, config.seed)
+    lag_control = lag_controller(config)
     manager = RolloutManager(
         runtime.engine, run_group, groups_per_batch=rollout.groups_per_step,
-        max_lag=rollout.max_lag,
+        max_lag=lag_control.bound if lag_control is not None else rollout.lag_ceiling,
         max_concurrent_groups=(rollout.max_concurrent_groups
-                               or rollout.groups_per_step * (rollout.max_lag + 1)),
+                               or rollout.groups_per_step * (rollout.lag_ceiling + 1)),
         max_attempts=rollout.max_group_attempts, fatal_errors=(EngineUnavailable, ToolUnavailableError),
         total_batches=trainer.total_steps, saturate=rollout.saturate_lag,
         accept=has_signal if rollout.dynamic_sampling else None, max_refills=rollout.max_refills_per_step)
@@ -203,6 +218,9 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
         learner.load_state_dict(state["learner"])
         restore_rng_state(state["rng"])
         manager.restore(state["rollout"])
+        if lag_control is not None and "lag_control" in state:  # the bound in force when it was written
+            lag_control.restore(state["lag_control"])
+            await manager.set_max_lag(lag_control.bound)
         start_step = int(meta["step"])
         log.info("resuming from %s (step %d)", checkpoint, start_step)
         await manager.sync_weights(learner.named_weights(), start_step)
@@ -258,6 +276,15 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                 metrics = await asyncio.get_running_loop().run_in_executor(learner_thread, step_and_trim,
                                                                            learner, batch)
                 train_s = time.perf_counter() - tick
+                if lag_control is not None:  # before the push: a lowered bound admits nothing more first
+                    waited_share = idle_fraction(idle_learner, train_s)
+                    ess = metrics.get(names.IS_ESS_RATIO)
+                    move = lag_control.update(float("nan") if ess is None else float(ess), waited_share,
+                                              [ticket.lag_bound for ticket, _ in groups])
+                    await manager.set_max_lag(move.bound)
+                    metrics.update(lag_control.metrics(move, waited_share))
+                else:
+                    metrics[ROLLOUT_MAX_LAG] = float(manager.max_lag)
                 if live is not None:
                     live.begin(step + 1, "weight push")
                 tick = time.perf_counter()
@@ -303,7 +330,9 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                 is_last = is_finished = step + 1 == trainer.total_steps
                 if (step + 1) % trainer.checkpoint_every == 0 or is_last:
                     save_checkpoint(run_dir, step + 1, {"learner": learner.state_dict(), "rng": rng_state(),
-                                                        "rollout": manager.state()},
+                                                        "rollout": manager.state(),
+                                                        **({"lag_control": lag_control.state()}
+                                                           if lag_control is not None else {})},
                                     {"version": step + 1, "config": config.model_dump(mode="json")},
                                     keep=trainer.keep_checkpoints)
                 if stop_after_step is not None and step + 1 >= stop_after_step:

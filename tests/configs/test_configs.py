@@ -235,3 +235,35 @@ def test_every_value_of_the_default_run_that_differs_from_the_schema_says_why() 
     silent = [dotted for dotted in differing if not _says_why(lines, dotted)]
     assert not silent, f"{path}: these differ from configs/schema.py's defaults without a '(schema: …)' " \
                        f"comment saying why: {silent}"
+
+
+@pytest.mark.parametrize(("corrections", "objective", "message"), [
+    ([{"type": "opsm"}, {"type": "opsm", "delta": 0.1}], "grpo",
+     r"algo\.corrections\[1\] repeats 'opsm' \(first at algo\.corrections\[0\]\)"),
+    ([{"type": "token_tis"}, {"type": "seq_tis"}], "grpo", r"\[0\] and \[1\] both weight the loss"),
+    ([{"type": "k3_reject"}, {"type": "token_tis"}], "vcpo",
+     r"algo\.corrections\[1\] \(token_tis\) .* objective\.type='vcpo' already weighs it"),
+    ([{"type": "seq_tis"}], "gspo", r"objective\.type='gspo'.*gspo or cispo with ratio_to: proximal"),
+    ([{"type": "token_reject", "lower": 1.5, "upper": 2.0}], "grpo", r"lower"),
+    ([{"type": "geo_reject", "lower": 1.0, "upper": 1.0}], "grpo", r"lower=1\.0 must be < upper=1\.0"),
+    ([{"type": "k3_reject", "threshold": 0}], "grpo", r"threshold"),
+    ([{"type": "k3_reject", "reduce": "median"}], "grpo", r"reduce"),
+])
+def test_corrections_that_cannot_run_are_refused_naming_the_stage_and_the_fix(
+    corrections: list, objective: str, message: str,
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        AlgoConfig.model_validate({"objective": {"type": objective}, "corrections": corrections})
+
+
+def test_rejections_stack_under_every_objective_and_k3_reductions_are_distinct_stages() -> None:
+    rejections = [{"type": "token_reject"}, {"type": "seq_reject"}, {"type": "geo_reject"},
+                  {"type": "k3_reject"}, {"type": "k3_reject", "reduce": "max"}, {"type": "opsm"}]
+    for kind in sorted(OBJECTIVES):
+        AlgoConfig.model_validate({"objective": {"type": kind}, "corrections": rejections})
+
+
+def test_corrections_with_a_reused_proximal_pass_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"learner\.proximal='reuse'.*set learner\.proximal to 'separate'"):
+        RunConfig.model_validate({"algo": {"corrections": [{"type": "opsm"}]},
+                                  "learner": {"proximal": "reuse"}})

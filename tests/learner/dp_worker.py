@@ -31,6 +31,11 @@ ALGOS = {
     "tba": {"objective": {"type": "tba"}, "group_size": 3},
     "vcpo_degenerate": {"objective": {"type": "vcpo"}, "group_size": 3},
     "vcpo_reuse_degenerate": {"objective": {"type": "vcpo"}, "group_size": 3},
+    "grpo_corrected": {"objective": {"type": "grpo"}, "group_size": 3,
+                       "corrections": [{"type": "token_reject", "lower": 0.95, "upper": 1.05},
+                                       {"type": "opsm", "delta": 0.0}, {"type": "token_tis", "cap": 1.02}]},
+    "vcpo_corrected": {"objective": {"type": "vcpo", "is_cap": 2.0}, "group_size": 3,
+                       "corrections": [{"type": "token_reject", "lower": 0.93, "upper": 1.07}]},
 }
 """GRPO (group mean and σ), VCPO (per-trajectory norms, OPOB, ESS step size), OTB (the Σπ² statistics
 are shared across ranks too), and the objectives whose loss takes statistics of the whole minibatch
@@ -39,7 +44,8 @@ this batch), TBA's trajectory count — which a rank holding some of the groups 
 minibatch. (BAPO's bounds cannot matter here: this batch's ratios lie inside every candidate bound;
 tests/learner/backends/test_torch_learner.py covers them on a noisier batch.) The KL terms (OTB, VCPO's
 separate KL pass, Dr. GRPO) use the reference model's log-probs, shared across ranks; `learner` moves the
-reference away from the policy so that they have a gradient at the first step."""
+reference away from the policy so that they have a gradient at the first step. The `*_corrected` entries
+run correction stages (OPSM needs whole groups): every rank must reject the same tokens and re-pack alike."""
 
 
 DEGENERATE_GROUP = 102

@@ -248,3 +248,55 @@ async def test_dynamic_sampling_stops_refilling_a_slot_at_its_cap_and_keeps_what
     with pytest.raises(ValueError, match="max_refills"):
         RolloutManager(engine, _group_runner(engine, 0), groups_per_batch=1, max_lag=0,
                        max_concurrent_groups=1, max_refills=-1)
+
+
+async def test_a_changing_bound_holds_for_every_group_under_the_bound_it_was_admitted_under() -> None:
+    """The bound moves between steps (as `rollout.max_lag: auto` moves it): every group records the bound
+    in force at its admission and lags at most that; a lowered bound admits nothing new until the version
+    catches up."""
+    bounds = [0, 1, 2, 3, 3, 1, 0, 0, 2, 2]
+    consumed: list[tuple[int, int]] = []  # (lag, bound at admission)
+    async with ScriptedEngine(token_delay_s=0.002) as engine:
+        manager = RolloutManager(engine, _group_runner(engine, seed=11), groups_per_batch=2,
+                                 max_lag=bounds[0], max_concurrent_groups=16, saturate=True,
+                                 total_batches=len(bounds))
+        async with manager:
+            for step in range(len(bounds)):
+                groups = await manager.next_batch()
+                consumed += [(step - t.versions.start, ticket.lag_bound) for ticket, ts in groups for t in ts]
+                if step + 1 < len(bounds):
+                    await manager.set_max_lag(bounds[step + 1])
+                await manager.sync_weights([("w", torch.zeros(1))], step + 1)
+    assert all(bound is not None and lag <= bound for lag, bound in consumed)
+    assert {bound for _, bound in consumed} == set(bounds)  # every bound admitted something
+    assert max(lag for lag, _ in consumed) == 3  # saturated: the largest bound was reached
+
+
+def test_a_replacement_waits_for_the_bound_in_force_and_a_new_group_is_stamped_with_it() -> None:
+    manager = RolloutManager(None, None, groups_per_batch=1, max_lag=3, max_concurrent_groups=4)  # type: ignore[arg-type]
+    manager._version = 5
+    manager._next_group_index = 9  # slots 0..8 admitted; slot 9 is batch 9
+    manager._retry = [GroupTicket(8, 8, -1, 1), GroupTicket(6, 6, -1, 1)]  # slots 8 and 6 failed
+    assert manager._admissible_retry() == 0  # 8 − 3 ≤ 5
+    manager.max_lag = 1  # lowered: slot 8 (8 − 1 > 5) waits, slot 6 (6 − 1 ≤ 5) goes first
+    assert manager._admissible_retry() == 1
+    manager._retry = [GroupTicket(8, 8, -1, 1)]
+    assert manager._admissible_retry() is None and not manager._can_admit()  # batch 9 waits too
+    manager._version = 7
+    assert manager._admissible_retry() == 0 and manager._can_admit()
+
+
+async def test_state_keeps_each_groups_bound_and_a_checkpoint_without_one_still_restores() -> None:
+    async with ScriptedEngine(token_delay_s=0.001) as engine:
+        first = RolloutManager(engine, _group_runner(engine, 5), groups_per_batch=2, max_lag=2,
+                               max_concurrent_groups=6, saturate=True)
+        async with first:
+            await first.next_batch()
+            state = first.state()
+    assert state["completed"] and all(item["ticket"]["lag_bound"] == 2 for item in state["completed"])
+    before = [{**item, "ticket": {k: v for k, v in item["ticket"].items() if k != "lag_bound"}}
+              for item in state["completed"]]
+    older = {**state, "completed": before}
+    second = RolloutManager(None, None, groups_per_batch=2, max_lag=2, max_concurrent_groups=6)  # type: ignore[arg-type]
+    second.restore(older)
+    assert all(ticket.lag_bound is None for items in second._completed.values() for ticket, _ in items)

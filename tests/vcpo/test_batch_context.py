@@ -9,6 +9,13 @@ from typing import Any
 import pytest
 import torch
 
+from vcpo.corrections import (
+    K3Rejection,
+    OffPolicySequenceMasking,
+    TokenRejection,
+    TokenTruncation,
+    correct_inputs,
+)
 from vcpo.objectives import BatchContext, PolicyLossInputs
 from vcpo.registry import OBJECTIVES, make_objective
 
@@ -143,3 +150,24 @@ def test_a_context_of_other_rows_is_refused() -> None:
     context = objective.batch_context(inputs)
     with pytest.raises(ValueError, match=r"context\.select"):
         objective(_rows(inputs, [0, 1]), context)
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_parts_of_a_corrected_minibatch_with_its_context_sum_to_the_whole(name: str) -> None:
+    """The corrections run once on the whole minibatch (OPSM's group means need every member); each part
+    then takes its rows of the kept mask, the truncation's weights and the rejected flags."""
+    objective = make_objective(name)
+    stages = [TokenRejection(0.75, 1.35), K3Rejection(0.05), OffPolicySequenceMasking(0.01)]
+    if objective.accepts_token_weights:
+        stages.append(TokenTruncation(1.5))
+    inputs, params_leaf = _minibatch()
+    corrected, correction = correct_inputs(stages, inputs)
+    assert correction.rejected.any() and 0 < correction.metrics["correction/rejected_tokens"] < 0.7
+    whole = objective(corrected).loss
+    (want,) = torch.autograd.grad(whole, params_leaf, retain_graph=True)
+    assert want.abs().max() > 1e-3
+    context = objective.batch_context(corrected)
+    losses = [objective(_rows(corrected, rows), _select(context, rows)).loss for rows in SPLITS]
+    (got,) = torch.autograd.grad(sum(losses), params_leaf)
+    torch.testing.assert_close(sum(losses), whole, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

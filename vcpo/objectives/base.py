@@ -70,6 +70,11 @@ class PolicyLossInputs:
     num_units: the aggregation denominator of the whole minibatch (global token count for
         token-mean, global trajectory count otherwise); None = this call's own count. Read by
         `batch_context`; a call given a context takes the context's.
+    token_weights: (B, T) detached weights of a truncation correction (`vcpo.corrections`), multiplied
+        into the per-token policy loss; None = 1. Only objectives without a behaviour weight of their own
+        take them (`accepts_token_weights`).
+    rejected: (B,) bool, trajectories a correction rejected whole (no token left in `loss_mask`): they
+        keep their place in the group statistics and weigh 0 in the ESS; None = none.
     """
 
     logprobs: Tensor
@@ -84,6 +89,8 @@ class PolicyLossInputs:
     sum_probs_squared: Tensor | None = None
     entropy: Tensor | None = None
     num_units: float | Tensor | None = None
+    token_weights: Tensor | None = None
+    rejected: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.logprobs.dim() != 2:
@@ -98,18 +105,21 @@ class PolicyLossInputs:
             "ref_logprobs",
             "sum_probs_squared",
             "entropy",
+            "token_weights",
         ):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != token_shape:
                 problems.append(
                     f"{name} has shape {tuple(value.shape)}, expected {token_shape} like logprobs"
                 )
-        for name in ("rewards", "group_ids", "lags", "seq_sq_grad_norms"):
+        for name in ("rewards", "group_ids", "lags", "seq_sq_grad_norms", "rejected"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (batch,):
                 problems.append(f"{name} has shape {tuple(value.shape)}, expected ({batch},)")
         if self.loss_mask.dtype != torch.bool:
             problems.append(f"loss_mask must be bool, got {self.loss_mask.dtype}; pass loss_mask.bool()")
+        if self.rejected is not None and self.rejected.dtype != torch.bool:
+            problems.append(f"rejected must be bool, got {self.rejected.dtype}")
         if self.group_ids.dtype != torch.long:
             problems.append(f"group_ids must be torch.long, got {self.group_ids.dtype}")
         if problems:
@@ -185,7 +195,8 @@ class LossCounts(NamedTuple):
 class PolicyLossOutput:
     """loss: 0-d scalar to minimise (finite). advantages: (B, T) fp32, 0 off trained tokens.
     metrics: metric name → tensor (names in vcpo.metrics). counts: see `LossCounts`.
-    log_is_weights: (B,) L_i = Σ log π_old − log μ (0 for excluded trajectories), for the ESS rule.
+    log_is_weights: (B,) L_i = Σ log π_old − log μ (0 for excluded trajectories, −inf for rejected ones:
+    w = 0), for the ESS rule.
     valid: (B,) bool, trajectories that entered the loss (gather both across ranks for ESS)."""
 
     loss: Tensor
@@ -227,6 +238,8 @@ class PreparedBatch(NamedTuple):
 
     valid: (B,) bool. groups: dense prompt groups. is_degenerate: (B,) bool member of a degenerate
     group. seq_log_ratios: (B,) L_i = Σ log π_old − log μ (fp32, unclamped, 0 if invalid).
+    token_weights: (B, T) a correction's detached weights, 0 off the mask, or None. rejected: (B,) bool,
+    valid trajectories a correction rejected whole.
     """
 
     logprobs: Tensor
@@ -245,6 +258,8 @@ class PreparedBatch(NamedTuple):
     entropy: Tensor | None
     lags: Tensor | None
     num_units: float | Tensor | None
+    token_weights: Tensor | None
+    rejected: Tensor
 
 
 class Surrogate(NamedTuple):
@@ -300,6 +315,9 @@ def prepare_batch(
     behavior_logprobs = _zero_off(inputs.behavior_logprobs.detach(), mask)
     groups = index_groups(inputs.group_ids)
     degenerate = degenerate_groups(rewards, valid, groups)
+    weights = inputs.token_weights
+    token_weights = None if weights is None else _zero_off(weights.detach().float(), mask)
+    rejected = valid & (torch.zeros_like(valid) if inputs.rejected is None else inputs.rejected)
     return PreparedBatch(
         logprobs=_zero_off(inputs.logprobs.float(), mask),  # fp32 ratios and IS weights
         old_logprobs=old_logprobs,
@@ -317,6 +335,8 @@ def prepare_batch(
         entropy=_zero_off(inputs.entropy, mask),
         lags=inputs.lags,
         num_units=inputs.num_units,
+        token_weights=token_weights,
+        rejected=rejected,
     )
 
 
@@ -336,6 +356,7 @@ class ObjectiveBase:
     uses_grad_norms: ClassVar[bool] = False
     uses_ref_logprobs: ClassVar[bool] = False
     uses_sum_probs_squared: ClassVar[bool] = False
+    takes_token_weights: ClassVar[bool] = False
 
     loss_aggregation: str = "token-mean"
     token_sum_normalizer: float | None = None
@@ -381,6 +402,17 @@ class ObjectiveBase:
     @property
     def needs_entropy(self) -> bool:
         return self.entropy_coef > 0
+
+    @property
+    def accepts_token_weights(self) -> bool:
+        """Whether a truncation correction's weights (`PolicyLossInputs.token_weights`) may multiply this
+        objective's per-token policy loss: not where the objective weighs the loss by its own behaviour
+        ratio (the sample would be corrected twice) or has no per-token policy loss (TBA)."""
+        return self.takes_token_weights
+
+    def weighted(self, token_losses: Tensor, batch: PreparedBatch) -> Tensor:
+        """(B, T) per-token policy losses × the correction's detached token weights, where given."""
+        return token_losses if batch.token_weights is None else token_losses * batch.token_weights
 
     @property
     def ess_clip_cap(self) -> float:
@@ -492,6 +524,12 @@ class ObjectiveBase:
                 f"objective {self.name!r} needs PolicyLossInputs.{', '.join(missing)} (None given); "
                 "the learner must compute them when objective.needs_* is True"
             )
+        if inputs.token_weights is not None and not self.accepts_token_weights:
+            raise ValueError(
+                f"objective {self.name!r} does not take a truncation correction's token_weights: it weighs "
+                "its loss by a behaviour ratio of its own (or has no per-token policy loss); drop the "
+                "truncation stage or use an objective without one (grpo, dr_grpo, reinforce, rloo)"
+            )
 
     def __call__(self, inputs: PolicyLossInputs, context: BatchContext | None = None) -> PolicyLossOutput:
         """The loss of `inputs`. `context`: the whole minibatch's statistics (`batch_context`, `select`ed
@@ -522,7 +560,7 @@ def _assemble_output(
     advantages = advantages[:, None].expand(mask.shape) if advantages.dim() == 1 else advantages
     metrics = {
         **m.is_weight_metrics(
-            batch.seq_log_ratios, batch.valid, objective.ess_clip_cap, objective.max_log_ratio
+            batch.seq_log_ratios, batch.valid, objective.ess_clip_cap, objective.max_log_ratio, batch.rejected
         ),
         m.IS_KL_K3: m.behavior_kl_k3(
             batch.old_logprobs, batch.behavior_logprobs, mask, objective.max_log_ratio
@@ -531,7 +569,9 @@ def _assemble_output(
         m.PG_MASKED_FRAC: m.token_fraction(masked, mask),
         m.TOKENS_TRAINED: mask.sum(),
         **m.reward_metrics(batch.rewards, batch.valid),
-        m.IS_LOG_W_REWARD_CORR: m.log_w_reward_correlation(batch.seq_log_ratios, batch.rewards, batch.valid),
+        m.IS_LOG_W_REWARD_CORR: m.log_w_reward_correlation(
+            batch.seq_log_ratios, batch.rewards, batch.valid & ~batch.rejected
+        ),
         "loss/policy": surrogate.loss.detach(),
         **extra,
     }
@@ -555,6 +595,7 @@ def _assemble_output(
         advantages=torch.where(mask, advantages, torch.zeros_like(advantages)),
         metrics=metrics,
         counts=counts,
-        log_is_weights=batch.seq_log_ratios,
+        # a rejected trajectory weighs w = 0 in the ESS: B_valid samples, fewer of them count
+        log_is_weights=torch.where(batch.rejected, -torch.inf, batch.seq_log_ratios),
         valid=batch.valid,
     )

@@ -82,7 +82,7 @@ class PpoClipOptions:
             self.max_log_ratio,
         )
         token_loss = clip.token_loss if token_weights is None else clip.token_loss * token_weights.detach()
-        loss = self.aggregate(token_loss, batch.loss_mask, context)
+        loss = self.aggregate(self.weighted(token_loss, batch), batch.loss_mask, context)
         return Surrogate(loss, advantages, clipped=clip.is_clipped)
 
 
@@ -95,6 +95,7 @@ class GRPO(PpoClipOptions, ObjectiveBase):
     """
 
     name: ClassVar[str] = "grpo"
+    takes_token_weights: ClassVar[bool] = True
     normalize_std: bool = True
     eps: float = 1e-6
 
@@ -117,6 +118,7 @@ class DrGRPO(PpoClipOptions, ObjectiveBase):
     """
 
     name: ClassVar[str] = "dr_grpo"
+    takes_token_weights: ClassVar[bool] = True
     loss_aggregation: str = "seq-mean-token-sum-norm"
 
     def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -332,6 +334,10 @@ class GSPO(ObjectiveBase):
     def _check_options(self) -> list[str]:
         return _check_ratio_options(self.ratio_to, self.clip_low, self.clip_high, allow_zero_bound=False)
 
+    @property
+    def accepts_token_weights(self) -> bool:
+        return self.ratio_to == "proximal"  # a ratio to μ is a behaviour correction of its own
+
     def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         return _grpo_rows(batch), {}
 
@@ -350,7 +356,7 @@ class GSPO(ObjectiveBase):
             self.max_log_ratio,
         )
         token_loss = clip.token_loss.expand(mask.shape)  # loss_i on each of its tokens
-        loss = self.aggregate(token_loss, mask, context)
+        loss = self.aggregate(self.weighted(token_loss, batch), mask, context)
         clipped_seq = clip.is_clipped[:, 0] & batch.valid & mask.any(dim=-1)
         present = (batch.valid & mask.any(dim=-1)).sum().clamp_min(1)
         seq_ratio = seq_log_ratio.detach().clamp(-self.max_log_ratio, self.max_log_ratio).exp()
@@ -387,6 +393,10 @@ class CISPO(ObjectiveBase):
     def _check_options(self) -> list[str]:
         return _check_ratio_options(self.ratio_to, self.clip_low, self.clip_high, allow_zero_bound=True)
 
+    @property
+    def accepts_token_weights(self) -> bool:
+        return self.ratio_to == "proximal"  # a ratio to μ is a behaviour correction of its own
+
     def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         return _grpo_rows(batch), {}
 
@@ -400,7 +410,7 @@ class CISPO(ObjectiveBase):
         weights = ratio.clamp(lower, upper)  # detached: the IS weight changes the measure, not the loss
         advantages = context.rows[ADVANTAGES]
         token_loss = reinforce_token_loss(batch.logprobs, weights * advantages[:, None])
-        loss = self.aggregate(token_loss, mask, context)
+        loss = self.aggregate(self.weighted(token_loss, batch), mask, context)
         clipped = mask & ((ratio > upper) | (ratio < lower))
         weight_mean = torch.where(mask, weights, 0.0).sum() / mask.sum().clamp_min(1)
         return Surrogate(loss, advantages, clipped=clipped, metrics={"cispo/weight_mean": weight_mean})

@@ -59,7 +59,8 @@ def _weighted_loglik_loss(
 ) -> Tensor:
     """aggregate(−c · log π_θ); coefficients (B,) per trajectory or (B, T) per token."""
     coefficients = coefficients[:, None] if coefficients.dim() == 1 else coefficients
-    return objective.aggregate(reinforce_token_loss(batch.logprobs, coefficients), batch.loss_mask, context)
+    token_loss = objective.weighted(reinforce_token_loss(batch.logprobs, coefficients), batch)
+    return objective.aggregate(token_loss, batch.loss_mask, context)
 
 
 def _truncated_weights(objective: ObjectiveBase, batch: PreparedBatch, cap: float) -> Tensor:
@@ -89,6 +90,7 @@ class Reinforce(ObjectiveBase):
     """REINFORCE with the batch-mean baseline, no clipping, no ratio: loss −(R_i − mean_B) log π_θ."""
 
     name: ClassVar[str] = "reinforce"
+    takes_token_weights: ClassVar[bool] = True
     loss_aggregation: str = "seq-mean-token-mean"
 
     def _statistics(self, batch: PreparedBatch) -> Statistics:
@@ -107,6 +109,7 @@ class RLOO(ObjectiveBase):
     """
 
     name: ClassVar[str] = "rloo"
+    takes_token_weights: ClassVar[bool] = True
     loss_aggregation: str = "seq-mean-token-mean"
 
     def _statistics(self, batch: PreparedBatch) -> Statistics:
@@ -307,6 +310,10 @@ class OTB(SequenceTisOptions, ObjectiveBase):
     uses_sum_probs_squared: ClassVar[bool] = True
     loss_aggregation: str = "seq-mean-token-mean"
     use_is_weights: bool = True
+
+    @property
+    def accepts_token_weights(self) -> bool:
+        return not self.use_is_weights  # w̄_i is a behaviour correction of its own
 
     def _statistics(self, batch: PreparedBatch) -> Statistics:
         mask = batch.loss_mask

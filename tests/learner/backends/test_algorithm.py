@@ -80,3 +80,32 @@ def test_step_size_rules_and_vcpo_ablations() -> None:
     )
     rule = build_lr_scale_rule(stale)
     assert isinstance(rule, StalenessLr) and rule.s0 == 2
+
+
+def test_every_correction_builds_from_its_config_defaults_into_the_stages_own_defaults() -> None:
+    from configs.schema import Correction
+    from learner.backends.algorithm import build_corrections
+
+    members = typing.get_args(typing.get_args(Correction)[0])
+    kinds = [member.model_fields["type"].default for member in members]
+    stages = []
+    for listed in ([kind for kind in kinds if kind != "seq_tis"], ["seq_tis"]):  # one truncation at a time
+        algo = AlgoConfig.model_validate({"objective": {"type": "grpo"},
+                                          "corrections": [{"type": kind} for kind in listed]})
+        stages += build_corrections(algo)
+    assert [type(stage)() for stage in stages] == stages
+    assert [stage.label for stage in stages] == [kind for kind in kinds if kind != "seq_tis"] + ["seq_tis"]
+
+
+@pytest.mark.parametrize("objective", [
+    *({"type": kind} for kind in OBJECTIVE_TYPES),
+    {"type": "gspo", "ratio_to": "proximal"}, {"type": "cispo", "ratio_to": "proximal"},
+    {"type": "otb", "use_is_weights": False},
+], ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_the_schema_allows_a_truncation_exactly_where_the_objective_takes_token_weights(
+    objective: dict,
+) -> None:
+    from configs.schema import takes_truncation
+
+    algo = AlgoConfig.model_validate({"objective": objective, "ess_lr": {"enabled": False}})
+    assert takes_truncation(algo.objective) is build_objective(algo).accepts_token_weights

@@ -68,7 +68,9 @@ def test_two_replicas_take_the_single_process_step(replicas: list[dict], name: s
     assert set(got) - set(want.metrics) == {"train/dp_ranks", "train/dp_max_rank_tokens_over_mean"}
     for key, value in want.metrics.items():
         if key != "train/micro_batches":
-            assert got[key] == pytest.approx(value, rel=METRIC_RTOL, abs=1e-6), key
+            assert got[key] == pytest.approx(value, rel=METRIC_RTOL, abs=1e-6, nan_ok=True), key
+    if name.endswith("_corrected"):  # the stages did act on this batch
+        assert 0 < want.metrics["correction/rejected_tokens"] < 0.8
     assert got["train/micro_batches"] > 1  # the replicas did split the minibatch
 
     if name.endswith("_degenerate"):  # one group left out of the gradient pass, counted once over the ranks

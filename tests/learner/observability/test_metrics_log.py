@@ -190,6 +190,16 @@ def test_dashboard_scalars_flatten_lists_and_map_null_to_nan() -> None:
     assert flat["custom/list/1"] == 2.0
 
 
+def test_per_lag_metrics_are_labelled_by_staleness_bin_and_an_empty_bin_is_nan() -> None:
+    record = {names.TRAINER_STEP: 1, names.CORRECTION_REJECTED_BY_LAG: [0.5, None, 0.25] + [None] * 6,
+              names.stage_metric("opsm", "rejected_tokens_by_lag"): [0.0] * 9}
+    flat = dashboard_scalars(record)
+    assert flat["correction/rejected_tokens_by_lag/000"] == 0.5
+    assert math.isnan(flat["correction/rejected_tokens_by_lag/001"])
+    assert flat["correction/rejected_tokens_by_lag/002-003"] == 0.25
+    assert "correction/opsm/rejected_tokens_by_lag/128+" in flat
+
+
 def test_metric_names_cover_vcpo_md_and_have_no_duplicates() -> None:
     assert len(set(names.ALL_METRICS)) == len(names.ALL_METRICS)
     for key in ("lr/base", "lr/scale", "grad/norm", "tokens/generated", "tokens/trained", "time/generate",

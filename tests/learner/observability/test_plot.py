@@ -49,6 +49,7 @@ def write_synthetic_run(run_dir: Path, num_steps: int = 60, seed: int = 0) -> No
                 names.TIME_IDLE_LEARNER: idle_s,
                 names.TIME_STEP: train_s + 0.4 + idle_s + 0.01,
                 names.PERF_TOKENS_PER_S: 1500 + 100 * rng.random(),
+                names.ROLLOUT_MAX_LAG: 3,
             })
 
 
@@ -84,6 +85,26 @@ def test_dashboard_reads_a_run_whose_last_line_is_torn(tmp_path: Path) -> None:
 def test_dashboard_of_a_single_step_run(tmp_path: Path) -> None:
     write_synthetic_run(tmp_path, num_steps=1)
     assert _is_png(plot_run(tmp_path))
+
+
+def test_the_lag_panel_draws_the_bound_in_force_and_marks_each_move_of_an_auto_bound() -> None:
+    from matplotlib.figure import Figure
+
+    from learner.observability.plot import _Run, _staleness_lag
+
+    bounds, moves = [0, 1, 1, 2, 1, 1], [0, 1, 0, 1, -1, 0]
+    records = [{names.TRAINER_STEP: step + 1, names.STALENESS_MEAN: 0.5, names.STALENESS_MAX: 1,
+                names.ROLLOUT_MAX_LAG: bound, names.ROLLOUT_LAG_MOVE: move,
+                names.ROLLOUT_LAG_RAISES: sum(m > 0 for m in moves[: step + 1]),
+                names.ROLLOUT_LAG_LOWERS: sum(m < 0 for m in moves[: step + 1])}
+               for step, (bound, move) in enumerate(zip(bounds, moves, strict=True))]
+    axes = Figure().subplots()
+    _staleness_lag(axes, _Run(records))
+    lines = {line.get_label(): line for line in axes.get_lines()}
+    assert list(lines["rollout/max_lag (bound)"].get_ydata()) == bounds
+    assert list(lines["bound raised"].get_xdata()) == [2.0, 4.0]
+    assert list(lines["bound lowered"].get_xdata()) == [5.0]
+    assert axes.get_title().endswith("2 raised, 1 lowered")
 
 
 def test_moving_average_is_trailing_and_skips_nan() -> None:

@@ -82,3 +82,21 @@ def test_a_resume_with_another_batch_shape_seed_or_a_smaller_lag_bound_is_refuse
     if lag > 0:
         (problem,) = resume_conflicts(tmp_path, changed(rollout__max_lag=lag - 1))
         assert problem.startswith(f"rollout.max_lag: {lag - 1}, but ") and f"max_lag ≥ {lag}" in problem
+
+
+def test_a_resume_compares_the_lag_ceilings_of_fixed_and_auto_bounds(tmp_path: Path) -> None:
+    """With `max_lag: auto` the groups a checkpoint holds lag at most auto_lag.max_lag: a resume may switch
+    between a fixed and an auto bound as long as the new ceiling is not below the saved one."""
+    from configs.schema import RunConfig
+
+    def dump(rollout: dict[str, Any]) -> dict[str, Any]:
+        return RunConfig.model_validate({"rollout": rollout}).model_dump(mode="json")
+
+    save_checkpoint(tmp_path, 2, {}, {"version": 2, "config": dump({"max_lag": "auto",
+                                                                   "auto_lag": {"max_lag": 4}})}, keep=1)
+    assert resume_conflicts(tmp_path, dump({"max_lag": 4})) == []
+    assert resume_conflicts(tmp_path, dump({"max_lag": "auto", "auto_lag": {"max_lag": 6}})) == []
+    (problem,) = resume_conflicts(tmp_path, dump({"max_lag": 3}))
+    assert problem.startswith("rollout.max_lag: 3, but ") and "rollout.auto_lag.max_lag=4" in problem
+    (problem,) = resume_conflicts(tmp_path, dump({"max_lag": "auto", "auto_lag": {"max_lag": 2}}))
+    assert problem.startswith("rollout.auto_lag.max_lag: 2") and "rollout.auto_lag.max_lag ≥ 4" in problem

@@ -150,6 +150,35 @@ def test_sigkill_then_resume_loses_no_group_and_uses_none_twice(tmp_path: Path, 
     assert all(line["lag"] <= 1 for line in lines)
 
 
+def test_an_auto_lag_bound_is_logged_checkpointed_and_resumed(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`rollout.max_lag: auto` through `vcpo train` (with VCPO under two correction stages): every step logs
+    the bound in force and its moves and the corrections' shares, the checkpoint holds the controller's
+    state, a resume with more steps continues its counts, and no trajectory lags beyond auto_lag.max_lag."""
+    auto = {"min_lag": 0, "max_lag": 2, "target_ess_ratio": 0.05, "patience": 1, "min_idle_fraction": 0.0}
+    algo = {"objective": {"type": "vcpo", "is_cap": 8.0}, "group_size": 4,
+            "corrections": [{"type": "token_reject", "lower": 0.5, "upper": 2.0}, {"type": "opsm"}]}
+    config = _write_configs(tmp_path, tiny_model_dir, max_lag=0, steps=3, tool=False,
+                            extra={"rollout": {"max_lag": "auto", "groups_per_step": 2, "auto_lag": auto},
+                                   "algo": algo})
+    first = _vcpo("train", str(config), "--no-progress")
+    assert first.returncode == 0, first.stderr[-3000:]
+    state, _ = load_checkpoint(latest_checkpoint(tmp_path / "run"))
+    records = read_metrics(tmp_path / "run")
+    assert state["lag_control"]["bound"] == records[-1]["rollout/max_lag"]
+    assert records[0]["rollout/lag_move"] == 1.0  # batch 0 was judged (ρ ≥ 0.05) and the bound raised
+    resumed = _vcpo("train", str(config), "--no-progress", "trainer.total_steps=5")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = read_metrics(tmp_path / "run")
+    assert [r["trainer_step"] for r in records] == [1, 2, 3, 4, 5]
+    raises = [r["rollout/lag_raises"] for r in records]
+    assert raises == sorted(raises) and raises[-1] >= state["lag_control"]["raises"]
+    assert all(r["staleness/max"] <= 2 and 0 <= r["rollout/max_lag"] <= 2 for r in records)
+    assert all(0 <= r["correction/rejected_tokens"] <= 1 and len(r["correction/rejected_tokens_by_lag"]) == 9
+               and "correction/opsm/rejected_trajectories" in r for r in records)
+    plot = _vcpo("plot", str(tmp_path / "run"))
+    assert plot.returncode == 0
+
+
 @needs_bwrap
 def test_a_crashing_reward_is_counted_and_the_run_continues(tmp_path: Path, tiny_model_dir: Path) -> None:
     config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=3, reward="poisoned_reward")
