@@ -17,6 +17,7 @@ from benchmarks import BENCH_CONFIG_ROOT
 from benchmarks.main_job import TIMING_FILE, run_main_job_bench, summarize_main_job, summarize_seed
 from benchmarks.schema import MainJobBenchConfig
 from learner.train.warm_start import SEARCH_PROGRAM
+from tests.benchmarks.tiny_countdown import tiny_countdown_run
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "docs" / "results" / "main_job.json"
@@ -28,29 +29,10 @@ needs_the_committed_summary = pytest.mark.skipif(
 
 def _tiny_run_config(tmp_path: Path, model_dir: Path) -> Path:
     """A two-step run of the tiny random model on generated Countdown, held-out evaluation at 0 and 2."""
-    task = {
-        "name": "tiny-countdown",
-        "dataset": {"type": "generator", "name": "countdown", "num_samples": 16, "seed": 0},
-        "heldout_dataset": {"type": "generator", "name": "countdown", "num_samples": 16, "seed": 1},
-        "fields": {"answer": {"target": "target", "numbers": "nums"},
-                   "template_fields": {"numbers": "nums", "target": "target"}},
-        "prompt": {"system": "Answer.", "user": "Make {target} from {numbers}."},
-        "tool": None,
-        "loop": {"max_turns": 1, "max_total_tokens": 64, "max_new_tokens_per_turn": 12},
-        "reward": {"type": "countdown"},
-    }
-    (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
-    run = {
-        "model": {"path": str(model_dir)}, "task": str(tmp_path / "task.yaml"),
-        "engine": {"backend": "hf", "max_batch_size": 16},
-        "algo": {"objective": {"type": "vcpo"}, "group_size": 4},
-        "rollout": {"max_lag": 1, "groups_per_step": 2},
-        "learner": {"device": "cpu", "micro_batch_tokens": 1024},
-        "trainer": {"total_steps": 2, "checkpoint_every": 2, "eval_every": 2, "eval_samples": 6},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(run))
-    return path
+    return tiny_countdown_run(tmp_path, model_dir, max_total_tokens=64,
+                              rollout={"max_lag": 1, "groups_per_step": 2},
+                              trainer={"total_steps": 2, "checkpoint_every": 2, "eval_every": 2,
+                                       "eval_samples": 6})
 
 
 def test_each_seed_trains_once_keeps_its_evidence_and_is_summarized_from_it(

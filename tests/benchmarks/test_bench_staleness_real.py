@@ -16,6 +16,7 @@ from benchmarks import BENCH_CONFIG_ROOT
 from benchmarks.staleness.real import matrix_jobs, run_key, run_real_staleness_bench
 from benchmarks.staleness.schema import StalenessRealBenchConfig, staleness_schema
 from cli.config_catalog import bench_schema_of
+from tests.benchmarks.tiny_countdown import tiny_countdown_run
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = BENCH_CONFIG_ROOT / "staleness_real.yaml"
@@ -23,25 +24,7 @@ COMMITTED = ROOT / "docs" / "results" / "staleness_real.json"
 
 
 def _tiny_run_config(tmp_path: Path, model_dir: Path) -> Path:
-    task = {
-        "name": "tiny-countdown",
-        "dataset": {"type": "generator", "name": "countdown", "num_samples": 16, "seed": 0},
-        "heldout_dataset": {"type": "generator", "name": "countdown", "num_samples": 16, "seed": 1},
-        "fields": {"answer": {"target": "target", "numbers": "nums"},
-                   "template_fields": {"numbers": "nums", "target": "target"}},
-        "prompt": {"system": "Answer.", "user": "Make {target} from {numbers}."},
-        "tool": None,
-        "loop": {"max_turns": 1, "max_total_tokens": 256, "max_new_tokens_per_turn": 12},
-        "reward": {"type": "countdown"},
-    }
-    (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
-    run = {"model": {"path": str(model_dir)}, "task": str(tmp_path / "task.yaml"),
-           "engine": {"backend": "hf", "max_batch_size": 32},
-           "algo": {"objective": {"type": "vcpo"}, "group_size": 4},
-           "learner": {"device": "cpu", "micro_batch_tokens": 1024}}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(run))
-    return path
+    return tiny_countdown_run(tmp_path, model_dir, max_total_tokens=256)
 
 
 def _bench(tmp_path: Path, config: Path, **changes: object) -> StalenessRealBenchConfig:
