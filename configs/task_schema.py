@@ -1,12 +1,13 @@
-"""The task YAML schema: which data, which prompt, which tool, which budgets, which reward.
+"""The task YAML schema: which data, which prompt, which tools, which budgets, which reward.
 
 A task file (`configs/tasks/*.yaml`) is everything the agent loop, the trainer and `vcpo eval` need
 to know about one problem set. Rows of the dataset become `agent_env.samples.Sample`s through
 `fields` (dotted paths into each row); the prompt is a `str.format` template over those fields.
 
 Checked here, at load time: placeholders exist, regexes compile with one group, a custom reward
-names its function, dataset paths use only the `{data_dir}` placeholder. Not checked here (this
-module imports only pydantic): the tool spec (`cli.config_catalog` validates it with
+names its function, dataset paths use only the `{data_dir}` placeholder, `tool` and `tools` are not
+both set and several tools use function calling. Not checked here (this module imports only pydantic):
+the tool specs (`learner.train.compose.load_task` validates them with
 `tools.registry.validate_tool_settings`), whether files exist, whether a custom reward imports.
 """
 

@@ -101,7 +101,13 @@ async def _enter_tools(stack: contextlib.AsyncExitStack, task: TaskConfig, task_
                        ) -> Tool | Toolbox | None:
     """The task's tools, started on `stack`: the one tool of a code-fence task, or a toolbox of every
     tool for function calling, checked against the chat template (ConfigError naming the task file)."""
-    tools = [await stack.enter_async_context(build_tool(spec)) for spec in task.tool_specs()]
+    tools = []
+    for index, spec in enumerate(task.tool_specs()):
+        try:
+            tools.append(await stack.enter_async_context(build_tool(spec)))
+        except ToolConfigError as exc:  # found as it starts: e.g. a tool name an MCP server does not list
+            where = "tool" if task.tool is not None else f"tools.{index}"
+            raise ConfigError(str(task_path), [f"{where}: {exc}"]) from None
     if task.loop.tool_format == "code_fence":
         return tools[0] if tools else None
     try:

@@ -21,7 +21,7 @@ from rollout.fakes import ScriptedEngine, ScriptedReply
 from rollout.settings import HFEngineSettings
 from rollout.tiny import build_byte_tokenizer
 from rollout.types import GenerationRequest
-from tests.agent_env.test_loop import Recorder
+from tests.agent_env.test_loop import Recorder, assert_trained_tokens_are_sampled
 from tests.examples.memorise import memorise_episode
 from tools.base import FunctionSpec, ToolResult
 from tools.fakes import EchoTool
@@ -143,7 +143,6 @@ async def test_a_function_calling_episode_trains_exactly_the_sampled_tokens(call
         episode = await run_episode(engine, tokenizer, prompt, FUNCTION_CALLING, Boxed42(), tool=toolbox,
                                     trajectory_id="e0", group_id="g0")
     trajectory = episode.trajectory
-    ids, mask = list(trajectory.token_ids), list(trajectory.loss_mask)
     # the sandbox really ran the call, and the model answered from its result
     assert episode.response_text == CALL + ANSWER and trajectory.reward == 1.0
     (call,) = episode.turns[0].calls
@@ -157,23 +156,11 @@ async def test_a_function_calling_episode_trains_exactly_the_sampled_tokens(call
                     {"role": "assistant", "content": ANSWER}]
     rendered = tokenizer.apply_chat_template(conversation, tools=prompt_tools(toolbox, FUNCTION_CALLING),
                                              tokenize=False)
-    assert tokenizer.decode(ids, skip_special_tokens=False) + "\n" == rendered
+    assert tokenizer.decode(trajectory.token_ids, skip_special_tokens=False) + "\n" == rendered
     # trained = sampled: every sampled token verbatim with mask 1, everything the template added mask 0
-    position = len(prompt)
-    assert ids[:position] == prompt and not any(mask[:position])
-    for index, (request, result) in enumerate(recorder.calls):
-        assert list(request.prompt_token_ids) == ids[:position]
-        end = position + len(result.token_ids)
-        assert ids[position:end] == list(result.token_ids) and all(mask[position:end])
-        assert list(trajectory.behavior_logprobs[position:end]) == list(result.logprobs)
-        position = end
-        if index + 1 < len(recorder.calls):
-            added = ids[position:len(recorder.calls[index + 1][0].prompt_token_ids)]
-            assert tokenizer.decode(added, skip_special_tokens=False) == (
-                "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
-            assert not any(mask[position:position + len(added)])
-            position += len(added)
-    assert position == len(ids) and len(recorder.calls) == 2
+    (added,) = assert_trained_tokens_are_sampled(trajectory, prompt, recorder)
+    assert tokenizer.decode(added, skip_special_tokens=False) == (
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
 # ---------------------------------------------------------------------------------------------
