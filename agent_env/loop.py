@@ -180,9 +180,11 @@ class _Counts:
 @dataclass
 class _Turn:
     text: str
+    """The turn decoded without special tokens: what is scored and logged."""
     finish: FinishReason
     is_truncated: bool
-    last_token: int | None
+    token_ids: list[int]
+    """Every token the turn sampled (its parts' tokens, in order)."""
 
 
 async def _generate_turn(engine: InferenceEngine, tokenizer: PreTrainedTokenizerBase,
@@ -190,11 +192,11 @@ async def _generate_turn(engine: InferenceEngine, tokenizer: PreTrainedTokenizer
                          turn: int, trajectory_id: str) -> _Turn:
     """One model turn, appended to `builder`. With a code `fence`, a stop on a fence that does not close
     a code block continues the same turn (up to MAX_CONTINUATIONS_PER_TURN generate calls)."""
-    text, finish, turn_tokens, is_truncated, last_token = "", "stop", 0, False, None
+    text, finish, is_truncated, token_ids = "", "stop", False, []
     stops = fence.stops if fence is not None else ()
     for part in range(MAX_CONTINUATIONS_PER_TURN):
         room = settings.max_total_tokens - len(builder.token_ids)
-        budget = min(settings.max_new_tokens_per_turn - turn_tokens, room)
+        budget = min(settings.max_new_tokens_per_turn - len(token_ids), room)
         if budget <= 0:
             is_truncated, finish = True, "length"
             break
@@ -207,8 +209,7 @@ async def _generate_turn(engine: InferenceEngine, tokenizer: PreTrainedTokenizer
             raise GenerationAborted(engine.name, f"request {result.request_id} of {trajectory_id} "
                                     "was aborted by the engine, not by this episode")
         builder.add_generation(result)
-        turn_tokens += len(result.token_ids)
-        last_token = result.token_ids[-1] if result.token_ids else last_token
+        token_ids.extend(result.token_ids)
         text += tokenizer.decode(result.token_ids, skip_special_tokens=True)
         finish = result.finish_reason
         # only a stop *string* on a bare fence continues the turn: an EOS right after a fence
@@ -216,7 +217,7 @@ async def _generate_turn(engine: InferenceEngine, tokenizer: PreTrainedTokenizer
         stopped_at_fence = finish == "stop" and isinstance(result.stop_reason, str)
         if not (fence is not None and stopped_at_fence and turn_needs_more(text, fence)):
             break
-    return _Turn(text, finish, is_truncated or finish == "length", last_token)
+    return _Turn(text, finish, is_truncated or finish == "length", token_ids)
 
 
 async def run_episode(
@@ -262,7 +263,9 @@ async def run_episode(
             text, finish = generated.text, generated.finish
             is_truncated = is_truncated or generated.is_truncated
             model_texts.append(text)
-            calls = parser.parse(visible_text(text)) if parser is not None else []
+            calls = [] if parser is None else parser.parse(visible_text(
+                # special tokens kept: some tokenizers mark <tool_call> or <think> as special
+                tokenizer.decode(generated.token_ids, skip_special_tokens=False)))
             if fence is not None:
                 decision = decide_turn(text, settings.answer_pattern, fence)
             elif calls:
@@ -278,8 +281,9 @@ async def run_episode(
             # --- execute and append the observation (loss_mask 0) ---
             exec_started = time.perf_counter()
             if renderer is not None:
+                last_token = generated.token_ids[-1] if generated.token_ids else None
                 record, observation_ids = await _call_functions(
-                    runner, calls, settings, counts, renderer, text, finish, generated.last_token)
+                    runner, calls, settings, counts, renderer, text, finish, last_token)
             else:
                 record, observation_ids = await _run_code(runner, decision, settings, counts, tokenizer, text,
                                                           finish)

@@ -156,9 +156,7 @@ class MCPTool:
     name: ClassVar[str] = "mcp"
     settings_model: ClassVar[type[BaseModel]] = MCPSettings
 
-    def __init__(self, settings: MCPSettings | None = None) -> None:
-        if settings is None:
-            raise ToolConfigError("type mcp needs `command` (stdio) or `url` (streamable HTTP)")
+    def __init__(self, settings: MCPSettings) -> None:
         self.settings = settings
         self._shared = _Link(settings)
         self._specs: tuple[FunctionSpec, ...] = ()
@@ -190,8 +188,8 @@ class MCPTool:
                                              or "", parameters=dict(tool.input_schema)) for tool in chosen)
         except ValueError as exc:
             await self._shared.close()
-            raise ToolConfigError(f"MCP server {settings.where} lists a tool vcpo cannot offer: {exc}"
-                                  ) from None
+            raise ToolConfigError(f"MCP server {settings.where} lists a tool vcpo cannot offer ({exc}); "
+                                  "name the tools to offer in the spec's `tools:`") from None
         self._remote = {settings.prefix + tool.name: tool.name for tool in chosen}
         return self
 

@@ -167,8 +167,8 @@ async def test_a_function_calling_episode_trains_exactly_the_sampled_tokens(call
 # Bad calls and the limit: answered, counted, never raised (scripted engine: control logic)
 
 
-def _scripted(texts: list[str]) -> tuple[Any, ScriptedEngine]:
-    tokenizer = build_byte_tokenizer()
+def _scripted(texts: list[str], tokenizer: Any = None) -> tuple[Any, ScriptedEngine]:
+    tokenizer = tokenizer or build_byte_tokenizer()
     replies = iter(texts)
 
     def script(request: GenerationRequest) -> ScriptedReply:
@@ -252,3 +252,14 @@ async def test_a_turn_without_calls_ends_the_episode_like_a_code_fence_turn() ->
                                     trajectory_id="e", group_id="g")
     assert episode.trajectory.task.tool_calls == 0 and episode.trajectory.reward == 1.0
     assert ParsedCall("x").error is None
+
+
+async def test_calls_are_read_when_the_tokenizer_marks_the_call_tags_special() -> None:
+    tokenizer = build_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    tokenizer, engine = _scripted([_call("echo", '{"code": "hi"}'), "\\boxed{42}"], tokenizer)
+    async with engine, EchoTool() as echo:
+        episode = await run_episode(engine, tokenizer, [1, 2], FUNCTION_CALLING, Boxed42(), tool=echo,
+                                    trajectory_id="e", group_id="g")
+    assert "<tool_call>" not in episode.turns[0].text  # the text shown and scored drops special tokens
+    assert [(c["name"], c["content"]) for c in episode.turns[0].calls] == [("echo", "hi")]
