@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from agent_env.function_calls import ParsedCall, resolve_parser, visible_text
+from agent_env.function_calls import ParsedCall, ToolCallParser, resolve_parser, visible_text
 from agent_env.tool_messages import ToolMessageRenderer, tool_message
 from agent_env.turns import (
     TRUNCATION_MARKER,
@@ -244,19 +244,21 @@ async def run_episode(
     is_truncated = False
     finish: FinishReason = "stop"
     runner_scope: contextlib.AbstractAsyncContextManager[Any]
+    fence: CodeFence | None = None
+    renderer: ToolMessageRenderer | None = None
+    parser: ToolCallParser | None = None
     if settings.tool_format == "function_call":
-        runner_scope = _function_scope(as_toolbox(tool), settings)
+        toolbox = as_toolbox(tool)
+        runner_scope = _function_scope(toolbox, settings)
+        if toolbox is not None:
+            renderer = ToolMessageRenderer(tokenizer, toolbox.template_tools())
+            parser = resolve_parser(settings.tool_parser)
     elif isinstance(tool, Toolbox):
         raise TypeError("a Toolbox offers functions: run it with tool_format='function_call'")
     else:
         runner_scope = _executor(tool, settings.use_session)
-    # the tool says which fenced blocks it runs (```python unless it declares `code_fence`)
-    fence = code_fence(code_fence_of(tool)) if tool is not None and settings.tool_format == "code_fence" \
-        else None
-    renderer = parser = None
-    if settings.tool_format == "function_call" and tool is not None:
-        renderer = ToolMessageRenderer(tokenizer, prompt_tools(tool, settings) or [])
-        parser = resolve_parser(settings.tool_parser)
+        # the tool says which fenced blocks it runs (```python unless it declares `code_fence`)
+        fence = code_fence(code_fence_of(tool)) if tool is not None else None
     async with runner_scope as runner:
         for turn in range(settings.max_turns + 1):
             generated = await _generate_turn(engine, tokenizer, builder, settings, fence, turn, trajectory_id)
