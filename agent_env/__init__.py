@@ -1,5 +1,6 @@
-"""Tasks from YAML, datasets, rewards, the multi-turn SimpleTIR agent loop, running a task's episodes and
-groups for the rollout manager (`runtime`) and evaluation.
+"""Tasks from YAML, datasets, rewards, the multi-turn agent loop (SimpleTIR's code fence, or function
+calling with several tools), running a task's episodes and groups for the rollout manager (`runtime`)
+and evaluation.
 
 May import: `vcpo`, `rollout`, `tools`, `configs` (the task schema: a task component takes its own
 validated section).

@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent_env.eval_metrics import summarize
-from agent_env.loop import EpisodeSettings, run_episode
+from agent_env.loop import EpisodeSettings, prompt_tools, run_episode
 from agent_env.prompts import render_messages, render_prompt_ids
 from agent_env.samples import Sample
 from rollout.base import InferenceEngine
 from tools.base import Tool
+from tools.functions import Toolbox
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -71,7 +72,9 @@ def _record(sample: Sample, index: int, episode: Any) -> dict[str, Any]:
         "reward_error": getattr(info, "error", None),
         "tool_calls": trajectory.task.tool_calls, "tool_errors": trajectory.task.tool_errors,
         "turns": [{"text": t.text, "code": t.code, "observation": t.observation, "tool_status": t.tool_status,
-                   "finish_reason": t.finish_reason} for t in episode.turns],
+                   "finish_reason": t.finish_reason, **({"calls": list(t.calls)} if t.calls else {})}
+                  for t in episode.turns],
+        "tool_parse_errors": trajectory.task.tool_parse_errors, "tool_unknown": trajectory.task.tool_unknown,
         "is_truncated": trajectory.task.is_truncated, "void_turns": trajectory.task.void_turns,
         "response_tokens": trajectory.num_sampled_tokens, "seconds": trajectory.timings.total_s,
     }
@@ -80,7 +83,7 @@ def _record(sample: Sample, index: int, episode: Any) -> dict[str, Any]:
 async def evaluate(
     engine: InferenceEngine,
     tokenizer: PreTrainedTokenizerBase,
-    tool: Tool | None,
+    tool: Tool | Toolbox | None,
     *,
     system: str | None,
     user: str,
@@ -102,11 +105,12 @@ async def evaluate(
         out_path.write_text(json.dumps({"kind": "meta", "meta": meta}) + "\n", encoding="utf-8")
     todo = [(s, j) for s in samples for j in range(k) if (s.sample_id, j) not in done]
     gate = asyncio.Semaphore(concurrency)
+    tools = prompt_tools(tool, settings)
     with open(out_path, "a", encoding="utf-8") as handle:
 
         async def one(sample: Sample, index: int) -> None:
             async with gate:
-                prompt = render_prompt_ids(tokenizer, render_messages(system, user, sample))
+                prompt = render_prompt_ids(tokenizer, render_messages(system, user, sample), tools)
                 seed = None
                 if settings.seed is not None:  # distinct, reproducible per (problem, sample)
                     seed = settings.seed + 7919 * index + zlib.crc32(sample.sample_id.encode())

@@ -32,6 +32,7 @@ from agent_env.prompts import render_messages
 from agent_env.samples import Sample
 from rollout.base import InferenceEngine
 from tools.base import Tool
+from tools.functions import Toolbox
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -219,8 +220,9 @@ class HeldoutEvaluator:
     """Evaluates the engine's current policy on the held-out set; one file per version in `out_dir`."""
 
     def __init__(self, heldout: HeldoutSet, *, engine: InferenceEngine, tokenizer: PreTrainedTokenizerBase,
-                 tool: Tool | None, system: str | None, user: str, reward: Callable[[str, Sample], Any],
-                 settings: EpisodeSettings, k: int, out_dir: Path, concurrency: int, task_name: str) -> None:
+                 tool: Tool | Toolbox | None, system: str | None, user: str,
+                 reward: Callable[[str, Sample], Any], settings: EpisodeSettings, k: int, out_dir: Path,
+                 concurrency: int, task_name: str) -> None:
         self.heldout, self.engine, self.tokenizer, self.tool = heldout, engine, tokenizer, tool
         self.system, self.user, self.reward, self.settings = system, user, reward, settings
         self.k, self.out_dir, self.concurrency, self.task_name = k, out_dir, concurrency, task_name

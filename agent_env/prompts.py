@@ -5,7 +5,7 @@ Tokenised exactly once per episode (docs/agent_loop.md step 1); the agent loop n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent_env.samples import Sample
 
@@ -28,9 +28,12 @@ def render_messages(system: str | None, user: str, sample: Sample) -> list[dict[
     return [*messages, {"role": "user", "content": content}]
 
 
-def render_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` with the model's chat template and the assistant turn opened."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def render_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
+                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of `messages` with the model's chat template and the assistant turn opened; `tools`
+    (function calling) are the JSON schemas the template shows the model."""
+    extra = {"tools": tools} if tools else {}  # no key at all without tools: the template renders as before
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return [int(i) for i in ids]

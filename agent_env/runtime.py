@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from agent_env.loop import Episode, EpisodeSettings, run_episode
+from agent_env.loop import Episode, EpisodeSettings, prompt_tools, run_episode
 from agent_env.prompts import render_messages, render_prompt_ids
 from agent_env.samples import Sample
 from configs.task_schema import TaskConfig
@@ -24,6 +24,7 @@ from rollout.manager import GroupTicket, RunGroup, WeightTarget
 from rollout.progress import SAMPLED_TOKENS
 from rollout.trajectory import Trajectory
 from tools.base import Tool
+from tools.functions import Toolbox
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -52,6 +53,9 @@ def episode_settings(task: TaskConfig, seed: int | None = None, *, for_eval: boo
         preamble=loop.preamble,
         use_session=loop.use_session,
         seed=seed,
+        tool_format=loop.tool_format,
+        tool_parser=loop.tool_parser,
+        max_parallel_calls=loop.max_parallel_calls,
     )
 
 
@@ -73,7 +77,8 @@ class TaskRuntime:
     reward: Callable[[str, Sample], Any]
     tokenizer: PreTrainedTokenizerBase
     engine: InferenceEngine
-    tool: Tool | None
+    tool: Tool | Toolbox | None
+    """The one tool of a code-fence task, or every tool as a toolbox for function calling."""
     skipped_samples: int = 0
     reward_errors: int = 0
     """Episodes whose reward function failed (scored 0, counted, never fatal)."""
@@ -84,7 +89,8 @@ class TaskRuntime:
     def prompt_ids(self, sample: Sample) -> list[int]:
         if sample.sample_id not in self.prompt_cache:
             messages = render_messages(self.task.prompt.system, self.task.prompt.user, sample)
-            self.prompt_cache[sample.sample_id] = render_prompt_ids(self.tokenizer, messages)
+            tools = prompt_tools(self.tool, episode_settings(self.task))
+            self.prompt_cache[sample.sample_id] = render_prompt_ids(self.tokenizer, messages, tools)
         return self.prompt_cache[sample.sample_id]
 
     async def episode(self, sample: Sample, settings: EpisodeSettings, trajectory_id: str,

@@ -1,12 +1,13 @@
-"""The task YAML schema: which data, which prompt, which tool, which budgets, which reward.
+"""The task YAML schema: which data, which prompt, which tools, which budgets, which reward.
 
 A task file (`configs/tasks/*.yaml`) is everything the agent loop, the trainer and `vcpo eval` need
 to know about one problem set. Rows of the dataset become `agent_env.samples.Sample`s through
 `fields` (dotted paths into each row); the prompt is a `str.format` template over those fields.
 
 Checked here, at load time: placeholders exist, regexes compile with one group, a custom reward
-names its function, dataset paths use only the `{data_dir}` placeholder. Not checked here (this
-module imports only pydantic): the tool spec (`cli.config_catalog` validates it with
+names its function, dataset paths use only the `{data_dir}` placeholder, `tool` and `tools` are not
+both set and several tools use function calling. Not checked here (this module imports only pydantic):
+the tool specs (`learner.train.compose.load_task` validates them with
 `tools.registry.validate_tool_settings`), whether files exist, whether a custom reward imports.
 """
 
@@ -134,6 +135,10 @@ class PromptConfig(StrictModel):
     """System message template; None = no system message."""
     user: str
     """User message template, e.g. `{question}\\n\\nPut the final answer in \\boxed{{}}.`"""
+    chat_template: str | None = None
+    """A Jinja chat template file (relative paths from the task file's folder) used instead of the
+    model's own, e.g. one that renders `tools=` for a model whose template ignores them; None = the
+    model's template."""
 
 
 class LoopConfig(StrictModel):
@@ -158,6 +163,17 @@ class LoopConfig(StrictModel):
     """Sampling temperature of rollouts; 0 = greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass; 1 = off."""
+    tool_format: Literal["code_fence", "function_call"] = "code_fence"
+    """How the model calls tools. code_fence: one fenced code block per turn runs in the one tool
+    (SimpleTIR); function_call: the tools' JSON schemas go to the chat template's `tools=` and the
+    model writes structured calls that `tool_parser` reads, results return as the template's tool
+    messages (docs/agent_loop.md)."""
+    tool_parser: str = "hermes"
+    """function_call only: which parser reads calls from a turn: `hermes` (`<tool_call>{"name": ...,
+    "arguments": ...}</tool_call>`: Qwen2.5/3, Hermes, SmolLM3) or `package.module:Class`."""
+    max_parallel_calls: int = Field(4, ge=1)
+    """function_call only: calls of one turn that run (concurrently); further calls in that turn are
+    not run and the model sees an error for each."""
 
 
 class AnswerConfig(StrictModel):
@@ -267,6 +283,9 @@ class TaskConfig(StrictModel):
     """System and user message templates."""
     tool: dict[str, Any] | None = None
     """Tool spec as in configs/tools/*.yaml (e.g. `{type: python, timeout_s: 10}`); None = no tool."""
+    tools: list[dict[str, Any]] | None = None
+    """Several tool specs (each as `tool`), for `loop.tool_format: function_call`; None = `tool` alone.
+    Set `tool` or `tools`, not both."""
     loop: LoopConfig = Field(default_factory=LoopConfig)
     """Turn and token budgets, observation format, sampling for training rollouts."""
     answer: AnswerConfig = Field(default_factory=AnswerConfig)
@@ -304,6 +323,28 @@ class TaskConfig(StrictModel):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    @model_validator(mode="after")
+    def _tools_fit_the_format(self) -> TaskConfig:
+        if self.tool is not None and self.tools is not None:
+            raise ValueError("both tool and tools are set; put every tool in the tools list and remove tool")
+        specs = self.tool_specs()
+        for index, spec in enumerate(specs):
+            if not isinstance(spec.get("type"), str):
+                where = "tool" if self.tool is not None else f"tools.{index}"
+                raise ValueError(f"{where} has no string `type`; give each tool a type such as "
+                                 "{type: python} or {type: mcp, command: ...}")
+        if len(specs) > 1 and self.loop.tool_format != "function_call":
+            raise ValueError(f"tools lists {len(specs)} tools but loop.tool_format is "
+                             f"{self.loop.tool_format!r}, where a turn's one code block goes to one tool; "
+                             "set loop.tool_format: function_call, or keep one tool")
+        return self
+
+    def tool_specs(self) -> list[dict[str, Any]]:
+        """The task's tool specs: `tools`, or `[tool]`, or none."""
+        if self.tools is not None:
+            return list(self.tools)
+        return [self.tool] if self.tool is not None else []
 
 
 def template_placeholders(template: str) -> set[str]:

@@ -3,7 +3,8 @@
 A tiny model is a real HF checkpoint directory (config.json + safetensors + tokenizer), so every
 loader, engine and learner treats it exactly like the default model — only smaller. Its tokenizer
 is a byte-level BPE with no merges (256 byte tokens + ChatML special tokens) built in code, so no
-file has to be downloaded or shipped; the chat template is ChatML like SmolLM2's.
+file has to be downloaded or shipped; the chat template is ChatML like SmolLM2's, with Qwen2.5's way of
+rendering `tools=` and tool messages (function calling).
 
 Not for: anything where the model's outputs must mean something (weights are random).
 """
@@ -22,11 +23,28 @@ if TYPE_CHECKING:
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
+    # with `tools=`: a system turn listing their schemas, as Qwen2.5's template does (a given system
+    # message is its first paragraph)
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n<tools>' }}{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>'"
+    " + '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    # tool results: consecutive tool messages in one user turn, each in <tool_response> tags
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+"""ChatML like SmolLM2's; given `tools=` it lists their schemas in a system turn and renders tool
+messages in `<tool_response>` tags, as Qwen2.5's template does (without them it is plain ChatML)."""
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,12 @@ class TaskInfo(StrictFrozenModel):
     tool_calls: int = Field(0, ge=0)
     """Tool executions."""
     tool_errors: int = Field(0, ge=0)
-    """Tool executions that failed (error, timeout, memory limit)."""
+    """Tool executions that failed (error, timeout, memory limit), and function calls refused for their
+    arguments or for being over a turn's limit."""
+    tool_parse_errors: int = Field(0, ge=0)
+    """Function calls that could not be read (bad JSON, no name, an unclosed tag)."""
+    tool_unknown: int = Field(0, ge=0)
+    """Function calls of a tool name the task does not offer."""
     void_turns: int = Field(0, ge=0)
     """Turns with neither a tool call nor a final answer."""
     finish_reason: FinishReason = "stop"

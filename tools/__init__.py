@@ -1,13 +1,16 @@
 """Tool plug-ins behind one async protocol: the local bubblewrap Python sandbox, a
-SandboxFusion-compatible HTTP client and server, and E2B.
+SandboxFusion-compatible HTTP client and server, E2B, and MCP servers (their tools as functions); the
+toolbox that offers several tools' functions to a function-calling model.
 
 May import: `vcpo`.
 
 Importing this package starts nothing and imports no optional dependency (fastapi, uvicorn,
-e2b are imported when the server or the E2B tool is used).
+e2b, the mcp SDK are imported when the server, the E2B tool or an MCP tool is used).
 """
 
 from tools.base import (
+    FunctionSpec,
+    FunctionTool,
     Language,
     Tool,
     ToolCall,
@@ -20,6 +23,8 @@ from tools.base import (
 )
 from tools.e2b import E2BTool
 from tools.fakes import EchoTool, EchoToolSettings, ScriptedTool
+from tools.functions import Toolbox
+from tools.mcp_tool import MCPTool
 from tools.registry import BUILTIN_TOOLS, ENTRY_POINT_GROUP, build_tool, known_tools, validate_tool_settings
 from tools.sandbox.local_sandbox import LocalPythonSandbox, LocalSandboxSession
 from tools.sandbox_fusion.client import SandboxFusionTool
@@ -27,6 +32,7 @@ from tools.sandbox_fusion.server import create_app, serve
 from tools.settings import (
     E2BSettings,
     LocalSandboxSettings,
+    MCPSettings,
     SandboxFusionClientSettings,
     SandboxServerSettings,
 )
@@ -38,10 +44,14 @@ __all__ = [
     "E2BTool",
     "EchoTool",
     "EchoToolSettings",
+    "FunctionSpec",
+    "FunctionTool",
     "Language",
     "LocalPythonSandbox",
     "LocalSandboxSession",
     "LocalSandboxSettings",
+    "MCPSettings",
+    "MCPTool",
     "SandboxFusionClientSettings",
     "SandboxFusionTool",
     "SandboxServerSettings",
@@ -54,6 +64,7 @@ __all__ = [
     "ToolSession",
     "ToolStatus",
     "ToolUnavailableError",
+    "Toolbox",
     "build_tool",
     "create_app",
     "known_tools",

@@ -6,9 +6,13 @@ output) is data in the result, never an exception: the model sees it and the loo
 problems on our side raise: a missing sandbox backend or bad settings (`ToolConfigError`,
 `ToolUnavailableError`), or a bug.
 
+For function calling a tool is seen as named functions with JSON schemas (`FunctionSpec`): a tool
+that offers its own (an MCP server, `FunctionTool`) lists them; a code-execution tool is one function
+whose only argument is the code (`code_function_spec`).
+
 This module defines types, plus `code_fence_of` (which fenced blocks a tool reads: its optional
 `code_fence` declaration, checked); implementations live beside it (`local_sandbox.py`,
-`sandbox_fusion_client.py`, `e2b.py`, `fakes.py`).
+`sandbox_fusion_client.py`, `e2b.py`, `mcp_tool.py`, `fakes.py`).
 """
 
 from __future__ import annotations
@@ -140,6 +144,78 @@ class Tool(Protocol):
     def session(self) -> AbstractAsyncContextManager[ToolSession]:
         """A stateful session, closed (and its interpreter killed) when the context exits."""
         ...
+
+
+class FunctionSpec(BaseModel):
+    """One function a model may call: its name, what it does and its arguments' JSON schema."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,128}$")
+    """The name the model writes in a call (letters, digits, `_ . -`)."""
+    description: str = ""
+    """What the function does, shown to the model."""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    """The JSON schema of the arguments object."""
+
+    def as_template_tool(self) -> dict[str, Any]:
+        """The OpenAI-style entry chat templates read from `tools=`."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+@runtime_checkable
+class FunctionSession(Protocol):
+    """One episode's stateful connection to a function tool (e.g. an MCP session)."""
+
+    async def call_function(self, name: str, arguments: Mapping[str, Any]) -> ToolResult: ...
+
+
+@runtime_checkable
+class FunctionTool(Protocol):
+    """A tool that offers named functions with JSON schemas instead of running code (tool type
+    `mcp`). Used as an async context manager like `Tool`; `functions()` is known once it is entered.
+    A failure of a call (the function's own error, a server that stopped answering) is data in the
+    result, never an exception. `session()` gives one episode its own session (`loop.use_session`)."""
+
+    name: ClassVar[str]
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+    def functions(self) -> tuple[FunctionSpec, ...]: ...
+
+    async def call_function(self, name: str, arguments: Mapping[str, Any]) -> ToolResult: ...
+
+    def session(self) -> AbstractAsyncContextManager[FunctionSession]: ...
+
+
+CODE_ARGUMENT = "code"
+"""The one argument of a code-execution tool called as a function."""
+
+
+def code_function_spec(tool: object) -> FunctionSpec:
+    """A code-execution tool (class or instance) as one function: named after the tool (`python`,
+    `sandbox_fusion`, ...), taking the code in its fence language as `code: string`."""
+    language = code_fence_of(tool)
+    name = getattr(tool, "name", None) or language
+    return FunctionSpec(
+        name=name,
+        description=(f"Run {language} code in a sandbox and return what it prints (stdout); an exception "
+                     "returns its last line. Nothing is shown unless the code prints it."),
+        parameters={"type": "object", "properties": {CODE_ARGUMENT: {
+            "type": "string", "description": f"The {language} code to run."}},
+            "required": [CODE_ARGUMENT], "additionalProperties": False},
+    )
+
+
+def offers_functions(tool_class: type) -> bool:
+    """Whether a tool class lists its own functions (a `FunctionTool`) rather than running code."""
+    return callable(getattr(tool_class, "functions", None)) and callable(getattr(tool_class, "call_function",
+                                                                                 None))
 
 
 class ToolError(Exception):

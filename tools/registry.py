@@ -1,7 +1,7 @@
 """Building a tool from a config spec such as `{"type": "python", "timeout_s": 5}`.
 
 `type` is one of:
-* a built-in name (`BUILTIN_TOOLS`: python, sandbox_fusion, e2b, echo);
+* a built-in name (`BUILTIN_TOOLS`: python, sandbox_fusion, e2b, mcp, echo);
 * the name of an entry point in group `vcpo.tools` of any installed distribution, e.g. in its
   pyproject: `[project.entry-points."vcpo.tools"]  my_tool = "my_pkg.tools:MyTool"`;
 * an import path `package.module:Class`.
@@ -34,6 +34,7 @@ BUILTIN_TOOLS: Mapping[str, str] = MappingProxyType(
         "python": "tools.sandbox.local_sandbox:LocalPythonSandbox",
         "sandbox_fusion": "tools.sandbox_fusion.client:SandboxFusionTool",
         "e2b": "tools.e2b:E2BTool",
+        "mcp": "tools.mcp_tool:MCPTool",
         "echo": "tools.fakes:EchoTool",
     }
 )

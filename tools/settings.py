@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class _Settings(BaseModel):
@@ -142,3 +142,52 @@ class SandboxServerSettings(_Settings):
     """Largest accepted request body (code plus base64 files); larger ones get HTTP 413."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     """uvicorn's log level."""
+
+
+class MCPSettings(_Settings):
+    """An MCP server's tools as functions (`type: mcp`), through the official `mcp` SDK, over stdio (a
+    server the tool starts) or streamable HTTP (a server already running)."""
+
+    type: Literal["mcp"] = "mcp"
+    """Registry key of this tool."""
+    command: str | None = None
+    """stdio: the program that starts the server (`python` is the interpreter running vcpo); set this
+    or `url`."""
+    args: tuple[str, ...] = ()
+    """stdio: the program's arguments, e.g. [examples/mcp_tool/server.py]."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """stdio: extra environment variables of the server (over the SDK's minimal default environment)."""
+    cwd: str | None = None
+    """stdio: the server's working directory; None = vcpo's."""
+    url: str | None = Field(default=None, pattern=r"^https?://")
+    """streamable HTTP: the server's MCP endpoint, e.g. http://127.0.0.1:8000/mcp; set this or `command`."""
+    headers: dict[str, str] = Field(default_factory=dict)
+    """streamable HTTP: headers sent with every request (e.g. Authorization)."""
+    tools: tuple[str, ...] | None = None
+    """The server's tools to offer the model; one the server does not list refuses the tool when it
+    starts, naming those it lists. None = every tool the server lists."""
+    prefix: str = Field(default="", pattern=r"^[A-Za-z0-9_.-]*$")
+    """Put before each tool's name as the model sees it (two servers with a tool of the same name)."""
+    connect_timeout_s: float = Field(default=20.0, gt=0)
+    """Seconds to start or reach the server and finish the MCP handshake."""
+    call_timeout_s: float = Field(default=30.0, gt=0)
+    """Seconds one tool call may take before it counts as failed (and is retried on a new connection)."""
+    max_retries: int = Field(default=2, ge=0, le=10)
+    """Retries of a call whose connection broke or timed out, each on a new connection; then the call
+    fails with an error the model sees, and the next call reconnects."""
+    retry_backoff_s: float = Field(default=0.5, ge=0)
+    """Wait before the first retry; doubles on each further one."""
+    max_concurrency: int = Field(default=16, ge=1)
+    """Calls in flight at once on this server."""
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> MCPSettings:
+        if (self.command is None) == (self.url is None):
+            raise ValueError("set exactly one of `command` (stdio: vcpo starts the server) and `url` "
+                             "(streamable HTTP: a running server's endpoint)")
+        return self
+
+    @property
+    def where(self) -> str:
+        """The server as a user would recognise it in a message."""
+        return self.url or " ".join((self.command or "", *self.args))

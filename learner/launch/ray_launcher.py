@@ -539,7 +539,8 @@ async def _start_actors(ray: Any, config: RunConfig, task: TaskConfig, task_path
                                  scheduling_strategy=on(learner_pg, i), name=f"{run_name}-learner-{i}")
              .remote(spec, i, rc.learner_ranks, master) for i in range(rc.learner_ranks)]
     sandboxes: list[Any] = []
-    if rc.sandbox_workers and task.tool is not None:
+    # sandbox actors run a code-fence task's one tool; function-calling tools start in each rollout worker
+    if rc.sandbox_workers and task.tool is not None and task.loop.tool_format == "code_fence":
         sandbox_cls = ray.remote(SandboxActor)
         sandboxes = [sandbox_cls.options(num_cpus=rc.sandbox_cpus, max_restarts=rc.max_actor_restarts,
                                          max_task_retries=1, name=f"{run_name}-sandbox-{i}").remote(task.tool)

@@ -107,6 +107,10 @@ ROLLOUT_RESPONSE_TOKENS_MEAN = "rollout/response_tokens_mean"
 """Model-generated tokens per trajectory."""
 ROLLOUT_FILTERED_FRAC = "rollout/filtered_frac"
 """Fraction of the step's trajectories left out of the loss (void-turn or truncation filters)."""
+TOOL_PARSE_ERRORS = "tool/parse_errors"
+"""Function calls of this step's trajectories that could not be read (bad JSON, no name, unclosed tag)."""
+TOOL_UNKNOWN = "tool/unknown"
+"""Function calls of this step's trajectories naming a tool the task does not offer."""
 ROLLOUT_SKIPPED_SAMPLES = "rollout/skipped_samples"
 """Bad samples (tasks that could not be posed) counted and skipped so far: a running total."""
 ROLLOUT_FAILED_GROUPS = "rollout/failed_groups"
@@ -217,6 +221,8 @@ OPTIONAL = (
     ROLLOUT_VOID_TURN_FRAC,
     ROLLOUT_RESPONSE_TOKENS_MEAN,
     ROLLOUT_FILTERED_FRAC,
+    TOOL_PARSE_ERRORS,
+    TOOL_UNKNOWN,
     ROLLOUT_SKIPPED_SAMPLES,
     ROLLOUT_FAILED_GROUPS,
     ROLLOUT_REGENERATED_GROUPS,
@@ -342,6 +348,8 @@ __all__ = [
     "TIME_WEIGHT_SYNC",
     "TOKENS_GENERATED",
     "TOKENS_TRAINED",
+    "TOOL_PARSE_ERRORS",
+    "TOOL_UNKNOWN",
     "TRAINER_STEP",
     "TRAIN_ENTROPY",
     "TRAIN_LOSS",

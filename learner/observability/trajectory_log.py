@@ -48,6 +48,8 @@ class TrajectoryLog:
                     "versions": [trajectory.versions.start, trajectory.versions.end],
                     "turns": trajectory.task.turns, "tool_calls": trajectory.task.tool_calls,
                     "tool_errors": trajectory.task.tool_errors, "truncated": trajectory.task.is_truncated,
+                    "tool_parse_errors": trajectory.task.tool_parse_errors,
+                    "tool_unknown": trajectory.task.tool_unknown,
                     "text": self.tokenizer.decode(trajectory.token_ids[first:], skip_special_tokens=False),
                 }) + "\n")
         self._file.flush()

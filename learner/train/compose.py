@@ -1,7 +1,7 @@
 """Wiring for `vcpo train` and `vcpo eval`: config sections → model, engine, tool, samples, reward.
 
 Part of the composition root (the CLI calls it). It resolves files and validates the untyped
-sections (`engine`, the task's `tool`) with their owners' schemas, so every mistake surfaces as a
+sections (`engine`, the task's tools) with their owners' schemas, so every mistake surfaces as a
 ConfigError naming the file and field before any model is loaded.
 """
 
@@ -17,12 +17,15 @@ from pydantic import TypeAdapter, ValidationError
 
 import configs
 from agent_env.datasets import load_samples
+from agent_env.function_calls import ParserConfigError, resolve_parser
 from agent_env.rewards import RewardConfigError, build_reward
 from agent_env.runtime import TaskRuntime
+from agent_env.tool_messages import ToolTemplateError, check_tools_template
 from configs.loader import ConfigError
 from configs.task_schema import TaskConfig, load_task_config
 from rollout.settings import EngineSettings
-from tools.base import ToolConfigError, has_sessions
+from tools.base import Tool, ToolConfigError, has_sessions, offers_functions
+from tools.functions import Toolbox
 from tools.registry import build_tool, validate_tool_settings
 
 log = logging.getLogger(__name__)
@@ -46,22 +49,21 @@ def resolve_task_path(spec: str | Path, relative_to: Path | None = None) -> Path
 
 def load_task(spec: str | Path, overrides: Sequence[str] = (), relative_to: Path | None = None
               ) -> tuple[TaskConfig, Path]:
-    """The validated task and its file, with what its schema cannot check: the tool spec
-    (tools.registry) and that the reward builds (a custom `reward.function` imports and is callable) —
-    so a broken task fails here, naming the file and the field, before any model is loaded."""
+    """The validated task and its file, with what its schema cannot check: the tool specs
+    (tools.registry) and that they fit the tool format, the tool parser, the chat template file, and
+    that the reward builds (a custom `reward.function` imports and is callable) — so a broken task fails
+    here, naming the file and the field, before any model is loaded."""
     path = resolve_task_path(spec, relative_to)
     task = load_task_config(path, overrides)
-    problems = []
-    if task.tool is not None:
+    problems = [*_tool_problems(task)]
+    if task.loop.tool_format == "function_call":
         try:
-            tool_class, _ = validate_tool_settings(task.tool)
-        except ToolConfigError as exc:
-            problems.append(f"tool: {exc}")
-        else:
-            if task.loop.use_session and not has_sessions(tool_class):
-                problems.append(f"loop.use_session: true, but tool type {task.tool['type']!r} keeps no state "
-                                "between calls; set loop.use_session: false, or use type: python (the local "
-                                "sandbox) or type: e2b for a stateful interpreter")
+            resolve_parser(task.loop.tool_parser)
+        except ParserConfigError as exc:
+            problems.append(f"loop.tool_parser: {exc}")
+    if task.prompt.chat_template is not None and not chat_template_path(task, path).is_file():
+        problems.append(f"prompt.chat_template: no such file {chat_template_path(task, path)} (a relative "
+                        "path is taken from the task file's folder)")
     try:
         build_reward(task.reward, task.answer)
     except RewardConfigError as exc:
@@ -69,6 +71,52 @@ def load_task(spec: str | Path, overrides: Sequence[str] = (), relative_to: Path
     if problems:
         raise ConfigError(str(path), problems)
     return task, path
+
+
+def _tool_problems(task: TaskConfig) -> list[str]:
+    problems = []
+    for index, spec in enumerate(task.tool_specs()):
+        where = "tool" if task.tool is not None else f"tools.{index}"
+        try:
+            tool_class, _ = validate_tool_settings(spec)
+        except ToolConfigError as exc:
+            problems.append(f"{where}: {exc}")
+            continue
+        if task.loop.use_session and not has_sessions(tool_class):
+            problems.append(f"loop.use_session: true, but tool type {spec['type']!r} keeps no state "
+                            "between calls; set loop.use_session: false, or use type: python (the local "
+                            "sandbox) or type: e2b for a stateful interpreter")
+        if task.loop.tool_format == "code_fence" and offers_functions(tool_class):
+            problems.append(f"{where}: tool type {spec['type']!r} offers functions, not a code fence; set "
+                            "loop.tool_format: function_call")
+    return problems
+
+
+def chat_template_path(task: TaskConfig, task_path: Path) -> Path:
+    """The task's `prompt.chat_template` file (relative to the task file's folder)."""
+    return (task_path.parent / Path(task.prompt.chat_template or "").expanduser()).resolve()
+
+
+async def _enter_tools(stack: contextlib.AsyncExitStack, task: TaskConfig, task_path: Path, tokenizer: Any
+                       ) -> Tool | Toolbox | None:
+    """The task's tools, started on `stack`: the one tool of a code-fence task, or a toolbox of every
+    tool for function calling, checked against the chat template (ConfigError naming the task file)."""
+    tools = []
+    for index, spec in enumerate(task.tool_specs()):
+        try:
+            tools.append(await stack.enter_async_context(build_tool(spec)))
+        except ToolConfigError as exc:  # found as it starts: e.g. a tool name an MCP server does not list
+            where = "tool" if task.tool is not None else f"tools.{index}"
+            raise ConfigError(str(task_path), [f"{where}: {exc}"]) from None
+    if task.loop.tool_format == "code_fence":
+        return tools[0] if tools else None
+    try:
+        toolbox = Toolbox(tools)
+        check_tools_template(tokenizer, toolbox.template_tools())
+    except (ToolConfigError, ToolTemplateError) as exc:
+        field = "tools" if isinstance(exc, ToolConfigError) else "loop.tool_format"
+        raise ConfigError(str(task_path), [f"{field}: {exc}"]) from None
+    return toolbox
 
 
 def engine_settings(raw: dict[str, Any], source: str) -> Any:
@@ -102,10 +150,12 @@ async def task_runtime(
         log.warning("%s: skipped %d bad rows of %s: %s", task.name, loaded.skipped, loaded.source,
                     loaded.skip_reasons)
     reward = build_reward(task.reward, task.answer)
+    if task.prompt.chat_template is not None:  # the run's template: prompts, tool messages, the export
+        tokenizer.chat_template = chat_template_path(task, task_path).read_text(encoding="utf-8")
     engine = await start_engine(settings, model_dir, tokenizer)
     try:
         async with contextlib.AsyncExitStack() as stack:
-            tool = await stack.enter_async_context(build_tool(task.tool)) if task.tool is not None else None
+            tool = await _enter_tools(stack, task, task_path, tokenizer)
             yield TaskRuntime(task, loaded.samples, reward, tokenizer, engine, tool,
                               skipped_samples=loaded.skipped)
     finally:

@@ -71,16 +71,25 @@ async def test_real_engine_and_sandbox_episode_is_token_exact(memorised_dir: Pat
         episode = await run_episode(engine, tokenizer, prompt, settings, _boxed_42, tool=tool,
                                     trajectory_id="e0", group_id="g0")
     trajectory = episode.trajectory
-    ids, mask = list(trajectory.token_ids), list(trajectory.loss_mask)
     # the episode the model memorised, with the sandbox's real output in the middle
     assert episode.response_text == memorised.TURN_1 + memorised.TURN_2
-    assert tokenizer.decode(ids[len(prompt):], skip_special_tokens=True) == memorised.episode_text()
+    assert tokenizer.decode(trajectory.token_ids[len(prompt):], skip_special_tokens=True) == (
+        memorised.episode_text())
     assert (trajectory.task.tool_calls, trajectory.task.tool_errors, trajectory.task.turns) == (1, 0, 2)
     assert trajectory.reward == 1.0 and episode.answer == "42"
     assert not trajectory.task.is_truncated and trajectory.task.void_turns == 0
-    # token by token: each request's prompt is exactly the trajectory so far; each result's tokens
-    # follow it verbatim with loss_mask 1 and their logprobs; between turns only the observation
-    position = len(prompt)
+    # between turns only the observation
+    (observation,) = assert_trained_tokens_are_sampled(trajectory, prompt, recorder)
+    assert observation == tokenizer.encode(memorised.OBSERVATION, add_special_tokens=False)
+
+
+def assert_trained_tokens_are_sampled(trajectory: Any, prompt: list[int], recorder: Recorder
+                                      ) -> list[list[int]]:
+    """Token by token: each request's prompt is exactly the trajectory so far; each result's tokens follow
+    it verbatim with loss_mask 1 and their logprobs; everything else (the prompt, what the loop appended
+    between turns) has loss_mask 0. Returns what was appended between turns, one list per gap."""
+    ids, mask = list(trajectory.token_ids), list(trajectory.loss_mask)
+    position, appended = len(prompt), []
     assert ids[:position] == prompt and not any(mask[:position])
     for index, (request, result) in enumerate(recorder.calls):
         assert list(request.prompt_token_ids) == ids[:position]
@@ -90,11 +99,11 @@ async def test_real_engine_and_sandbox_episode_is_token_exact(memorised_dir: Pat
         position = end
         if index + 1 < len(recorder.calls):
             next_start = len(recorder.calls[index + 1][0].prompt_token_ids)
-            observation = ids[position:next_start]
-            assert observation == tokenizer.encode(memorised.OBSERVATION, add_special_tokens=False)
+            appended.append(ids[position:next_start])
             assert not any(mask[position:next_start])
             position = next_start
     assert position == len(ids)
+    return appended
 
 
 @needs_bwrap

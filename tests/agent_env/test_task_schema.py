@@ -180,3 +180,48 @@ def test_task_config_is_frozen(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         task.name = "other"  # type: ignore[misc]
     assert isinstance(task, TaskConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several tools and function calling
+
+TWO_TOOLS = MINIMAL + """\
+tools:
+  - {type: python, timeout_s: 5}
+  - {type: sandbox_fusion, endpoint: "http://127.0.0.1:8080"}
+loop: {tool_format: function_call}
+"""
+
+
+def test_a_tools_list_with_function_calling_loads_and_the_one_tool_form_still_does(tmp_path: Path) -> None:
+    task = check_task_config(_write(tmp_path, TWO_TOOLS))
+    assert [spec["type"] for spec in task.tool_specs()] == ["python", "sandbox_fusion"]
+    assert (task.loop.tool_format, task.loop.tool_parser, task.loop.max_parallel_calls) == (
+        "function_call", "hermes", 4)
+    one = check_task_config(_write(tmp_path, MINIMAL + "tool: {type: python}\n", "one.yaml"))
+    assert one.tool_specs() == [{"type": "python"}] and one.loop.tool_format == "code_fence"
+    assert load_task_config(_write(tmp_path, MINIMAL, "none.yaml")).tool_specs() == []
+
+
+def test_several_tools_need_function_calling_and_tool_and_tools_exclude_each_other(tmp_path: Path) -> None:
+    fenced = TWO_TOOLS.replace("loop: {tool_format: function_call}\n", "")
+    assert "tools lists 2 tools but loop.tool_format is 'code_fence'" in _error(_write(tmp_path, fenced))
+    both = TWO_TOOLS + "tool: {type: python}\n"
+    assert "both tool and tools are set" in _error(_write(tmp_path, both, "both.yaml"))
+    untyped = MINIMAL + "tools: [{timeout_s: 5}]\n"
+    assert "tools.0 has no string `type`" in _error(_write(tmp_path, untyped, "untyped.yaml"))
+
+
+def test_a_bad_spec_in_the_tools_list_names_its_index(tmp_path: Path) -> None:
+    path = _write(tmp_path, TWO_TOOLS.replace("timeout_s: 5", "timeout_s: -1"))
+    with pytest.raises(ConfigError, match=r"(?s)tools.0: invalid settings for tool type 'python'"):
+        check_task_config(path)
+
+
+def test_an_unknown_parser_and_a_missing_chat_template_are_refused_at_load(tmp_path: Path) -> None:
+    path = _write(tmp_path, TWO_TOOLS)
+    with pytest.raises(ConfigError) as info:
+        check_task_config(path, ["loop.tool_parser=nope", "prompt.chat_template=missing.jinja"])
+    problems = "\n".join(info.value.problems)
+    assert "loop.tool_parser: unknown tool parser 'nope'; built-in: hermes" in problems
+    assert f"prompt.chat_template: no such file {tmp_path / 'missing.jinja'}" in problems

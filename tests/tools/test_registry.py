@@ -58,7 +58,7 @@ def test_unknown_type_lists_the_known_ones_and_how_to_register_a_plugin() -> Non
     with pytest.raises(ToolConfigError) as error:
         build_tool({"type": "pythn"})
     message = str(error.value)
-    assert "unknown tool type 'pythn'; known: e2b, echo, python, sandbox_fusion" in message
+    assert "unknown tool type 'pythn'; known: e2b, echo, mcp, python, sandbox_fusion" in message
     assert '[project.entry-points."vcpo.tools"]' in message and "my_pkg.module:MyTool" in message
 
 

@@ -23,3 +23,13 @@ def test_a_session_on_a_stateless_tool_is_refused_when_the_task_loads() -> None:
         "loop.use_session: true, but tool type 'sandbox_fusion' keeps no state between calls; set "
         "loop.use_session: false, or use type: python (the local sandbox) or type: e2b for a stateful "
         "interpreter"]
+
+
+def test_a_function_tool_in_a_code_fence_task_is_refused_with_the_fix() -> None:
+    mcp = "tool={type: mcp, command: python, args: [server.py]}"
+    with pytest.raises(ConfigError) as info:
+        load_task(COUNTDOWN, [mcp])
+    assert info.value.problems == ["tool: tool type 'mcp' offers functions, not a code fence; set "
+                                   "loop.tool_format: function_call"]
+    task, _ = load_task(COUNTDOWN, [mcp, "loop.tool_format=function_call"])
+    assert task.tool_specs()[0]["type"] == "mcp"
