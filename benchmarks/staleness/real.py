@@ -91,12 +91,16 @@ def weights_digest(model_dir: Path) -> str:
 
 
 def matrix_jobs(bench: StalenessRealBenchConfig) -> list[Job]:
-    """k = 0 first (the lr was fixed there, and a k = 0 row shows at once whether it learns), then larger k;
-    within a k, seed by seed so that each seed's starting evaluation is made once and reused."""
+    """k = 0 first (the lr was fixed there, and a k = 0 row shows at once whether it learns), then the
+    largest k (with k = 0 it answers the question: a matrix carried across sessions answers it halfway
+    through), then the k between; within a k, seed by seed, so that each seed's starting evaluation is
+    made once and reused."""
     chosen = [m for m in bench.methods if bench.only is None or m.name in bench.only]
     if bench.common_lr is not None:
         chosen = [m.model_copy(update={"lr": bench.common_lr}) for m in chosen]
-    return [(m, lag, seed) for lag in sorted(bench.lags) for seed in bench.seeds for m in chosen]
+    lags = sorted(bench.lags)
+    order = lags[:1] + lags[-1:] + lags[1:-1] if len(lags) > 1 else lags
+    return [(m, lag, seed) for lag in order for seed in bench.seeds for m in chosen]
 
 
 def run_name(job: Job) -> str:

@@ -120,6 +120,8 @@ def test_the_shipped_preset_is_valid_picked_by_kind_and_sized_by_the_rule() -> N
     assert sorted(bench.lags) == [0, 8, 32] and len(bench.seeds) >= 3
     assert {m.name for m in bench.methods} >= {"grpo", "seq_tis", "vcpo_spec", "vcpo_reference"}
     assert len({m.lr for m in bench.methods}) == 1  # one lr for every method
+    order = [lag for _, lag, _ in matrix_jobs(bench)]
+    assert order == sorted(order, key=[0, 32, 8].index)  # k = 0 and the largest k answer it first
     with pytest.raises(ValueError, match="set by the bench per run"):
         StalenessRealBenchConfig.model_validate({**raw, "overrides": ["rollout.max_lag=3"]})
 
