@@ -21,7 +21,7 @@ from benchmarks.schema import (
     OpobBenchConfig,
     SandboxBenchConfig,
 )
-from benchmarks.staleness.schema import StalenessBenchConfig, StalenessRealBenchConfig
+from benchmarks.staleness.schema import StalenessBenchConfig, StalenessRealBenchConfig, staleness_schema
 from configs.loader import ConfigError, load_config, read_yaml_tree
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
@@ -62,6 +62,17 @@ def bench_schema_of(path: Path) -> type | None:
         if path.stem == name or path.stem.startswith(name + "_"):
             return BENCH_SCHEMAS[name]
     return None
+
+
+def bench_command_schema(name: str, config: Path | None) -> type:
+    """The schema `vcpo bench <name> [--config FILE]` validates with: by the bench's name, and for
+    `staleness` by the file's `kind` (the real-model preset carries `kind: real`)."""
+    if name == "staleness" and config is not None:
+        return staleness_schema(read_yaml_tree(config))
+    schema = BENCH_SCHEMAS.get(name)
+    if schema is None:
+        raise ValueError(f"no bench named {name!r}; known: {', '.join(sorted(BENCH_SCHEMAS))}")
+    return schema
 
 
 def check_task_config(path: str | Path, overrides: Sequence[str] = ()) -> TaskConfig:

@@ -237,12 +237,12 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.name == "staleness":
         from benchmarks import BENCH_CONFIG_ROOT
         from benchmarks.staleness.bench import run_staleness_bench
-        from benchmarks.staleness.schema import StalenessRealBenchConfig, staleness_schema
-        from configs.loader import read_yaml_tree
+        from benchmarks.staleness.schema import StalenessRealBenchConfig
+        from cli.config_catalog import bench_command_schema
 
         if args.config is None:  # the methods and their lrs live in the shipped file
             args.config = BENCH_CONFIG_ROOT / "staleness.yaml"
-        bench = _bench_config(args, staleness_schema(read_yaml_tree(args.config)))
+        bench = _bench_config(args, bench_command_schema("staleness", args.config))
         if isinstance(bench, StalenessRealBenchConfig):
             from benchmarks.staleness.real import run_real_staleness_bench
             from learner.train.compose import PACKAGE_ROOT

@@ -419,7 +419,7 @@ def _resolve(spec: str, beside: Path) -> Path:
 
 def override_problems(command: DocCommand) -> list[str]:
     """Load the config `command` applies its a.b.c=value overrides to, as the CLI would."""
-    from cli.config_catalog import bench_schema_of, is_bench_config
+    from cli.config_catalog import bench_command_schema, bench_schema_of, is_bench_config
     from configs.loader import ConfigError, apply_overrides, load_config, read_yaml_tree, validate_config
     from configs.schema import RunConfig
     from tools.base import ToolConfigError
@@ -446,7 +446,7 @@ def override_problems(command: DocCommand) -> list[str]:
             config_path = command.options.get("--config")
             if config_path is None and args[0] == "staleness":  # as the CLI: the shipped file by default
                 config_path = "benchmarks/configs/staleness.yaml"
-            schema = bench_schema_of(Path(f"{args[0]}.yaml"))
+            schema = bench_command_schema(args[0], None if config_path is None else ROOT / config_path)
             if config_path is not None:
                 load_config(ROOT / config_path, schema, command.overrides)
             else:
