@@ -25,7 +25,7 @@ def add(a: int, b: int) -> int:
 
 @app.tool()
 def note(text: str, ctx: Context) -> str:
-    """Remember `text` for this session; returns every note of the session so far."""
+    """Remember `text` in this MCP session's state; returns every note the session holds so far."""
     # over HTTP the client's MCP session id; on stdio the process is the session
     session = (ctx.headers or {}).get("mcp-session-id", "stdio")
     notes = _notes.setdefault(session, [])
