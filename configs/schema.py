@@ -515,6 +515,35 @@ class AutoLagConfig(StrictModel):
         return self
 
 
+class SimulatedClockConfig(StrictModel):
+    """`rollout.simulated_clock` (rollout/sim_clock.py): run the real learning on a simulated timeline — each
+    episode takes a generation time drawn from a lognormal, each learner step `learner_s`, an engine of
+    `concurrent_groups` slots generates side by side — and let that timeline decide which policy version
+    every group is generated with (so the lags are the ones the timing would give) and how long the learner
+    waited (what `max_lag: auto` acts on). For benchmarks (`vcpo bench staleness` with `kind: timed`):
+    asynchrony's gain is time, which a machine whose engine and learner share the cores cannot show."""
+
+    episode_median_s: float = Field(gt=0)
+    """Median generation time of one episode, in simulated seconds."""
+    episode_sigma: float = Field(ge=0)
+    """Standard deviation of the log of an episode's time (the tail: 0 = every episode alike)."""
+    max_episode_s: float | None = Field(None, gt=0)
+    """Longest episode (the token budget cuts it); None = uncut."""
+    learner_s: float = Field(ge=0)
+    """One learner step, weight sync included, in simulated seconds."""
+    concurrent_groups: int = Field(ge=1)
+    """The simulated engine's capacity: groups generating at once."""
+    seed: int | None = None
+    """Seed of the episode times; None = the run's seed."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SimulatedClockConfig:
+        if self.max_episode_s is not None and self.max_episode_s < self.episode_median_s:
+            raise ValueError(f"rollout.simulated_clock.max_episode_s={self.max_episode_s} < episode_median_s="
+                             f"{self.episode_median_s}: the cut must lie above the median (or null for none)")
+        return self
+
+
 class RolloutConfig(StrictModel):
     """The asynchronous rollout manager (rollout/manager.py)."""
 
@@ -543,6 +572,21 @@ class RolloutConfig(StrictModel):
     """Stress-test mode (`vcpo bench staleness`): before each step the learner waits until the engine
     has generated everything the bound admits, so every batch lags by exactly min(k, step). Off =
     normal asynchrony: the realised lag is ≤ k and depends on engine vs learner speed."""
+    simulated_clock: SimulatedClockConfig | None = None
+    """Benchmarks: the lags and the learner's waiting follow a simulated timeline instead of the machine's
+    (the `SimulatedClockConfig` section); None = real time."""
+
+    @model_validator(mode="after")
+    def _check_clock(self) -> RolloutConfig:
+        if self.simulated_clock is None:
+            return self
+        if self.saturate_lag:
+            raise ValueError("rollout.simulated_clock and rollout.saturate_lag both decide every batch's "
+                             "lag; set saturate_lag: false (the timeline decides) or simulated_clock: null")
+        if self.dynamic_sampling:
+            raise ValueError("rollout.simulated_clock does not time dynamic sampling's refills; set "
+                             "dynamic_sampling: false or simulated_clock: null")
+        return self
 
     @property
     def lag_ceiling(self) -> int:

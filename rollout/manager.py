@@ -40,6 +40,13 @@ wasted at the end of a run). `saturate=True` is the stress-test mode of `vcpo be
 generated, so the engine is always the full `k` batches ahead and each batch's lag is exactly
 `min(k, b)` whatever the relative speed of engine and learner (otherwise the realised lag depends
 on which side is faster, and a fast learner never sees a large lag).
+
+`clock` (a `SimulatedClock`, rollout/sim_clock.py) puts the run on a simulated timeline: group g is
+admitted only once the published version reaches the one the timeline admits it under, and, as in
+saturate mode, `next_batch()` first waits until everything the timeline admits at the current version has
+been generated — so each group is generated with exactly the version the timeline gives it, and the lags
+are the ones that timing would produce. Version v's stretch of the timeline is simulated when v is
+published, under the bound then in force (`set_max_lag` before `publish_version`).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout.errors import EngineUnavailable
+from rollout.sim_clock import SimulatedClock
 from rollout.trajectory import Trajectory
 
 if TYPE_CHECKING:
@@ -130,6 +138,7 @@ class RolloutManager:
         saturate: bool = False,
         accept: Callable[[Sequence[Trajectory]], bool] | None = None,
         max_refills: int = 0,
+        clock: SimulatedClock | None = None,
     ) -> None:
         if groups_per_batch < 1 or max_lag < 0 or max_concurrent_groups < 1 or max_refills < 0:
             raise ValueError(
@@ -152,6 +161,8 @@ class RolloutManager:
         """Dynamic sampling: a finished group this rejects is replaced (None = every group is kept)."""
         self.max_refills = max_refills
         """Rejected groups replaced per batch slot at most; past that they are kept."""
+        self.clock = clock
+        """The simulated timeline the admissions follow (None = real time)."""
         self._refills: dict[int, int] = {}
         self._last_batch_refills = 0
         self._dropped_rewards: dict[int, list[float]] = {}
@@ -174,6 +185,7 @@ class RolloutManager:
 
     async def start(self) -> None:
         """Start admitting groups (call once, after `restore` when resuming)."""
+        self._open_clock()
         self._admitter = asyncio.create_task(self._admit_forever(), name="rollout-admission")
 
     async def close(self) -> None:
@@ -204,7 +216,7 @@ class RolloutManager:
         """The groups of the next batch slot, ordered by group index (waits until all are done)."""
         batch = self._next_batch_index
         async with self._changed:
-            if self.saturate:  # the pipeline full: nothing in flight, nothing more admissible
+            if self.saturate or self.clock is not None:  # nothing in flight, nothing more admissible
                 await self._changed.wait_for(
                     lambda: self._failure is not None or (not self._in_flight and not self._can_admit()))
             await self._changed.wait_for(
@@ -242,6 +254,7 @@ class RolloutManager:
         """Record that the engine now serves `version` (when weights were loaded elsewhere)."""
         async with self._changed:
             self._version = version
+            self._open_clock()
             self._changed.notify_all()
 
     def busy_seconds(self) -> float:
@@ -259,6 +272,12 @@ class RolloutManager:
 
     # --- admission -------------------------------------------------------------------------------
 
+    def _open_clock(self) -> None:
+        """Simulate the timeline up to the published version, under the bound in force."""
+        if self.clock is not None:
+            while self.clock.opened <= self._version:
+                self.clock.open_version(self.clock.opened, self.max_lag)
+
     def _in_bound(self, batch: int) -> bool:
         return batch - self.max_lag <= self._version  # lag bound: b − v_start ≤ b − v ≤ k
 
@@ -268,6 +287,11 @@ class RolloutManager:
         return next((i for i, ticket in enumerate(self._retry) if self._in_bound(ticket.batch_index)), None)
 
     def _can_admit(self) -> bool:
+        if self.clock is not None:  # the timeline decides when (its engine's capacity included)
+            if self._admissible_retry() is not None:
+                return True
+            admitted = self.clock.admission_version(self._next_group_index)
+            return admitted is not None and admitted <= self._version
         if len(self._in_flight) >= self.max_concurrent_groups:
             return False
         if self._admissible_retry() is not None:
@@ -394,6 +418,7 @@ class RolloutManager:
                          "trajectories": self.counters.trajectories},
             "refills": {str(b): n for b, n in self._refills.items()},
             "dropped_rewards": {str(b): rewards for b, rewards in self._dropped_rewards.items()},
+            **({"clock": self.clock.state()} if self.clock is not None else {}),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -420,3 +445,5 @@ class RolloutManager:
         self.counters.trajectories = counters.get("trajectories", 0)
         self._refills = {int(b): n for b, n in state.get("refills", {}).items()}
         self._dropped_rewards = {int(b): list(r) for b, r in state.get("dropped_rewards", {}).items()}
+        if self.clock is not None and "clock" in state:  # the same timeline: replayed from its bounds
+            self.clock.restore(state["clock"])

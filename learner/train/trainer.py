@@ -13,6 +13,9 @@ position, unconsumed groups and slots in flight). A resumed run restarts from th
 checkpoint with the same lag bound, and no group is lost or used twice (rollout/manager.py). With
 `rollout.max_lag: auto` the bound follows the measured ESS (rollout/lag_control.py): after each step the
 controller judges the batch and moves the manager's bound; its state is checkpointed with the rest.
+With `rollout.simulated_clock` (benchmarks) the admissions follow a simulated timeline
+(rollout/sim_clock.py): the lags, the learner's waiting that the controller acts on and the `sim/*` metrics
+are the timeline's, the learning is real.
 
 What it does not do: read config files (the CLI does), run episodes or groups (agent_env/runtime.py)
 or know any engine/tool/task specifics.
@@ -58,6 +61,7 @@ from rollout.errors import EngineUnavailable
 from rollout.lag_control import ROLLOUT_MAX_LAG, LagController, LagControlSettings, idle_fraction
 from rollout.manager import GroupTicket, RolloutManager
 from rollout.openmp import release_openmp_threads
+from rollout.sim_clock import ClockSettings, SimulatedClock
 from rollout.trajectory import Trajectory
 from tools.base import ToolUnavailableError
 
@@ -103,6 +107,20 @@ def step_input(
             is_cut = task.filters.remove_truncated and trajectory.task.is_truncated
             trained.append(not (is_void or is_cut))
     return StepInput(trajectories, group_ids, lags, trained)
+
+
+def simulated_clock(config: RunConfig) -> SimulatedClock | None:
+    """The timeline of `rollout.simulated_clock` (rollout/sim_clock.py); None = real time."""
+    clock = config.rollout.simulated_clock
+    if clock is None:
+        return None
+    settings = ClockSettings(
+        episode_median_s=clock.episode_median_s, episode_sigma=clock.episode_sigma,
+        max_episode_s=clock.max_episode_s, learner_s=clock.learner_s,
+        concurrent_groups=clock.concurrent_groups,
+        seed=config.seed if clock.seed is None else clock.seed)
+    return SimulatedClock(settings, groups_per_batch=config.rollout.groups_per_step,
+                          group_size=config.algo.group_size, total_batches=config.trainer.total_steps)
 
 
 def lag_controller(config: RunConfig) -> LagController | None:
@@ -212,7 +230,8 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                                or rollout.groups_per_step * (rollout.lag_ceiling + 1)),
         max_attempts=rollout.max_group_attempts, fatal_errors=(EngineUnavailable, ToolUnavailableError),
         total_batches=trainer.total_steps, saturate=rollout.saturate_lag,
-        accept=has_signal if rollout.dynamic_sampling else None, max_refills=rollout.max_refills_per_step)
+        accept=has_signal if rollout.dynamic_sampling else None, max_refills=rollout.max_refills_per_step,
+        clock=simulated_clock(config))
     start_step = 0
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is not None:
@@ -278,8 +297,11 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                 metrics = await asyncio.get_running_loop().run_in_executor(learner_thread, step_and_trim,
                                                                            learner, batch)
                 train_s = time.perf_counter() - tick
+                if manager.clock is not None:  # the timeline's step, not the machine's
+                    metrics.update(manager.clock.metrics(step))
                 if lag_control is not None:  # before the push: a lowered bound admits nothing more first
-                    waited_share = idle_fraction(idle_learner, train_s)
+                    waited_share = (manager.clock.step(step).idle_fraction if manager.clock is not None
+                                    else idle_fraction(idle_learner, train_s))
                     ess = metrics.get(names.IS_ESS_RATIO)
                     move = lag_control.update(float("nan") if ess is None else float(ess), waited_share,
                                               [ticket.lag_bound for ticket, _ in groups])

@@ -11,6 +11,7 @@ import torch
 
 from rollout.fakes import ScriptedEngine
 from rollout.manager import GroupTicket, RolloutFailed, RolloutManager
+from rollout.sim_clock import ClockSettings, SimulatedClock
 from rollout.trajectory import Trajectory, TrajectoryBuilder
 from rollout.types import GenerationRequest, SamplingParams
 
@@ -300,3 +301,66 @@ async def test_state_keeps_each_groups_bound_and_a_checkpoint_without_one_still_
     second = RolloutManager(None, None, groups_per_batch=2, max_lag=2, max_concurrent_groups=6)  # type: ignore[arg-type]
     second.restore(older)
     assert all(ticket.lag_bound is None for items in second._completed.values() for ticket, _ in items)
+
+
+def _timeline(total_batches: int, seed: int = 5) -> SimulatedClock:
+    return SimulatedClock(ClockSettings(episode_median_s=1.0, episode_sigma=0.9, learner_s=1.0,
+                                        concurrent_groups=5, seed=seed),
+                          groups_per_batch=2, group_size=GROUP_SIZE, total_batches=total_batches)
+
+
+def _expected_lags(clock: SimulatedClock, steps: int) -> list[list[int]]:
+    return [[step - clock.admission_version(g) for g in (2 * step, 2 * step + 1)  # type: ignore[operator]
+             for _ in range(GROUP_SIZE)] for step in range(steps)]
+
+
+@pytest.mark.parametrize("max_lag", [0, 1, 4])
+async def test_a_simulated_clock_decides_every_groups_version_whatever_the_real_speeds(max_lag: int) -> None:
+    # a slow real engine and a fast learner would give lags near 0; the timeline's are taken instead
+    async with ScriptedEngine(token_delay_s=0.005) as engine:
+        clock = _timeline(8)
+        manager = RolloutManager(engine, _group_runner(engine, seed=max_lag), groups_per_batch=2,
+                                 max_lag=max_lag, max_concurrent_groups=1, total_batches=8, clock=clock)
+        async with manager:
+            lags = await _train(manager, engine, steps=8)
+    assert lags == _expected_lags(clock, 8)
+    assert max(max(batch) for batch in lags) <= max_lag
+    if max_lag:
+        assert max(max(batch) for batch in lags) >= 1  # the timeline overlapped generation with learning
+
+
+async def test_a_clocked_run_resumes_on_the_same_timeline() -> None:
+    async with ScriptedEngine(token_delay_s=0.001) as engine:
+        first = RolloutManager(engine, _group_runner(engine, 1), groups_per_batch=2, max_lag=3,
+                               max_concurrent_groups=4, total_batches=8, clock=_timeline(8))
+        async with first:
+            lags = await _train(first, engine, steps=3)
+            state = first.state()
+        assert state["clock"]["bounds"] == [3, 3, 3, 3]
+        clock = _timeline(8)
+        second = RolloutManager(engine, _group_runner(engine, 2), groups_per_batch=2, max_lag=3,
+                                max_concurrent_groups=4, total_batches=8, clock=clock)
+        second.restore(state)
+        async with second:
+            for step in range(3, 8):
+                groups = await second.next_batch()
+                lags.append([step - t.versions.start for _, ts in groups for t in ts])
+                await second.sync_weights([("w", torch.zeros(1))], step + 1)
+    assert lags == _expected_lags(clock, 8)
+
+
+async def test_a_bound_lowered_mid_run_holds_on_the_timeline() -> None:
+    async with ScriptedEngine(token_delay_s=0.001) as engine:
+        clock = _timeline(10, seed=9)
+        manager = RolloutManager(engine, _group_runner(engine, 3), groups_per_batch=2, max_lag=4,
+                                 max_concurrent_groups=4, total_batches=10, clock=clock)
+        async with manager:
+            for step in range(10):
+                groups = await manager.next_batch()
+                for ticket, trajectories in groups:
+                    assert all(step - t.versions.start <= ticket.lag_bound for t in trajectories)
+                    assert ticket.admitted_version == clock.admission_version(ticket.group_index)
+                if step == 3:
+                    await manager.set_max_lag(1)
+                await manager.sync_weights([("w", torch.zeros(1))], step + 1)
+    assert clock.state()["bounds"] == [4, 4, 4, 4, 1, 1, 1, 1, 1, 1, 1]

@@ -179,6 +179,35 @@ def test_an_auto_lag_bound_is_logged_checkpointed_and_resumed(tmp_path: Path, ti
     assert plot.returncode == 0
 
 
+def test_a_simulated_clock_decides_the_lags_and_the_waiting_auto_acts_on(tmp_path: Path,
+                                                                        tiny_model_dir: Path) -> None:
+    """`rollout.simulated_clock` through `vcpo train` with `max_lag: auto`: every step logs the timeline's
+    time and waiting, the controller acts on the timeline's waiting (not the machine's), and every
+    trajectory's lag is the one the timeline gives — replayed here from the settings and the logged bounds."""
+    auto = {"min_lag": 0, "max_lag": 3, "target_ess_ratio": 0.05, "patience": 1, "min_idle_fraction": 0.1}
+    clock = {"episode_median_s": 1.0, "episode_sigma": 0.8, "learner_s": 0.5, "concurrent_groups": 6}
+    config = _write_configs(tmp_path, tiny_model_dir, max_lag=0, steps=5, tool=False,
+                            extra={"rollout": {"max_lag": "auto", "groups_per_step": 2, "auto_lag": auto,
+                                               "simulated_clock": clock}})
+    result = _vcpo("train", str(config), "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path / "run")
+    times = [r["sim/time"] for r in records]
+    assert times == sorted(times) and times[0] > 0
+    assert all(r["rollout/learner_idle_fraction"] == r["sim/learner_idle_fraction"] for r in records)
+    assert records[0]["rollout/lag_move"] == 1.0  # the learner waited for batch 0 (u = 1/(1 + 0.5 s)...)
+    from rollout.sim_clock import ClockSettings, SimulatedClock
+
+    replay = SimulatedClock(ClockSettings(**clock, seed=0), groups_per_batch=2, group_size=4, total_batches=5)
+    for version, bound in enumerate([0] + [int(r["rollout/max_lag"]) for r in records]):
+        replay.open_version(version, bound)
+    assert [round(t.end, 9) for t in replay.steps] == [round(t, 9) for t in times]
+    logged = [json.loads(line) for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
+    for row in logged:
+        assert row["lag"] == row["step"] - 1 - replay.admission_version(row["group"])
+    assert max(row["lag"] for row in logged) >= 1  # the timeline let generation run ahead
+
+
 @needs_bwrap
 def test_a_crashing_reward_is_counted_and_the_run_continues(tmp_path: Path, tiny_model_dir: Path) -> None:
     config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=3, reward="poisoned_reward")
