@@ -21,7 +21,12 @@ from benchmarks.schema import (
     OpobBenchConfig,
     SandboxBenchConfig,
 )
-from benchmarks.staleness.schema import StalenessBenchConfig, StalenessRealBenchConfig, staleness_schema
+from benchmarks.staleness.schema import (
+    StalenessBenchConfig,
+    StalenessRealBenchConfig,
+    StalenessTimedBenchConfig,
+    staleness_schema,
+)
 from configs.loader import ConfigError, load_config, read_yaml_tree
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
@@ -42,7 +47,9 @@ def _tool_spec(path: Path) -> Any:
 BENCH_SCHEMAS: dict[str, type] = {"opob": OpobBenchConfig, "async": AsyncBenchConfig,
                                    "engine": EngineBenchConfig, "sandbox": SandboxBenchConfig,
                                    "staleness": StalenessBenchConfig,
-                                   "staleness_real": StalenessRealBenchConfig, "learner": LearnerBenchConfig,
+                                   "staleness_real": StalenessRealBenchConfig,
+                                   "staleness_timed": StalenessTimedBenchConfig,
+                                   "learner": LearnerBenchConfig,
                                    "main_job": MainJobBenchConfig}
 """benchmarks/configs/<name>.yaml (or a preset <name>_<variant>.yaml) → the schema of `vcpo bench <name>`."""
 
@@ -66,7 +73,7 @@ def bench_schema_of(path: Path) -> type | None:
 
 def bench_command_schema(name: str, config: Path | None) -> type:
     """The schema `vcpo bench <name> [--config FILE]` validates with: by the bench's name, and for
-    `staleness` by the file's `kind` (the real-model preset carries `kind: real`)."""
+    `staleness` by the file's `kind` (`real`: the real-model preset, `timed`: the simulated-clock one)."""
     if name == "staleness" and config is not None:
         return staleness_schema(read_yaml_tree(config))
     schema = BENCH_SCHEMAS.get(name)

@@ -237,7 +237,7 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.name == "staleness":
         from benchmarks import BENCH_CONFIG_ROOT
         from benchmarks.staleness.bench import run_staleness_bench
-        from benchmarks.staleness.schema import StalenessRealBenchConfig
+        from benchmarks.staleness.schema import StalenessRealBenchConfig, StalenessTimedBenchConfig
         from cli.config_catalog import bench_command_schema
 
         if args.config is None:  # the methods and their lrs live in the shipped file
@@ -248,6 +248,10 @@ def _bench(args: argparse.Namespace) -> int:
             from learner.train.compose import PACKAGE_ROOT
 
             result = run_real_staleness_bench(bench, PACKAGE_ROOT, _cache_dir(), progress=_progress)
+        elif isinstance(bench, StalenessTimedBenchConfig):
+            from benchmarks.staleness.timed import run_timed_staleness_bench
+
+            result = run_timed_staleness_bench(bench, progress=_progress)
         else:
             result = run_staleness_bench(bench, progress=_progress)
         print(Path(result["config"]["run_root"], "summary.md").read_text(), file=sys.stderr)

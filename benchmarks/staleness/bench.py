@@ -49,7 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.staleness import tasks as staleness_tasks
-from benchmarks.staleness.schema import StalenessBenchConfig, StalenessMatrixConfig, StalenessMethodConfig
+from benchmarks.staleness.schema import (
+    StalenessBenchConfig,
+    StalenessMatrixConfig,
+    StalenessMethodConfig,
+    StalenessTimedBenchConfig,
+)
 from configs.schema import RunConfig
 from learner.launch.host import host_description
 from learner.observability import metric_names as names
@@ -77,7 +82,7 @@ CURVE_KEYS = {
 }
 """Curve name in the JSON → metrics.jsonl key (OPOB's only for the methods that have a b*)."""
 
-Job = tuple[StalenessMethodConfig, int, int, str]
+Job = tuple[StalenessMethodConfig, int | str, int, str]
 """(method with its lr, lag k, seed, numerics)."""
 
 
@@ -90,7 +95,7 @@ def prepare(bench: StalenessBenchConfig, root: Path) -> tuple[Path, Path]:
     0.36, the next one's at step 400 with 0.31), and stored runs are only comparable on one policy."""
     root.mkdir(parents=True, exist_ok=True)
     name = f"policy-{staleness_tasks.policy_fingerprint(bench)}"
-    kept, model_dir = results_dir(bench) / name, root / staleness_tasks.policy_dir_name(bench)
+    kept, model_dir = policy_store(bench) / name, root / staleness_tasks.policy_dir_name(bench)
     if (kept / "config.json").is_file() and not (model_dir / "config.json").is_file():
         tmp = model_dir.with_name(model_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -119,12 +124,13 @@ def success_probability(model_dir: Path, bench: StalenessBenchConfig) -> float:
 # One run (in a worker process)
 
 
-def _run_config(bench: StalenessBenchConfig, method: StalenessMethodConfig, lag: int, seed: int,
-                numerics: str, model_dir: Path, task_path: Path, run_dir: Path) -> RunConfig:
+def run_config_dict(bench: StalenessBenchConfig, method: StalenessMethodConfig, lag: int, seed: int,
+                    numerics: str, model_dir: Path, task_path: Path, run_dir: Path) -> dict[str, Any]:
+    """One run's config as a plain tree (the timed preset edits its rollout and trainer sections)."""
     # bf16_engine: the engine samples from a bf16 copy of the weights the fp32 learner trains, so the
     # behaviour log-probs differ from the learner's by bf16 rounding even at lag 0 (as on GPUs)
     engine_dtype = "bfloat16" if numerics == "bf16_engine" else "float32"
-    return RunConfig.model_validate({
+    return {
         "run_dir": str(run_dir),
         "seed": seed,
         "model": {"path": str(model_dir)},
@@ -136,7 +142,13 @@ def _run_config(bench: StalenessBenchConfig, method: StalenessMethodConfig, lag:
         "learner": {"device": bench.device, "micro_batch_tokens": 8192},
         "trainer": {"total_steps": bench.steps, "checkpoint_every": bench.steps, "keep_checkpoints": 1,
                     "use_tensorboard": False, "save_trajectories": False},
-    })
+    }
+
+
+def _run_config(bench: StalenessBenchConfig, method: StalenessMethodConfig, lag: int, seed: int,
+                numerics: str, model_dir: Path, task_path: Path, run_dir: Path) -> RunConfig:
+    return RunConfig.model_validate(run_config_dict(bench, method, lag, seed, numerics, model_dir, task_path,
+                                                    run_dir))
 
 
 def _worker_init() -> None:
@@ -168,19 +180,10 @@ def _exit_with_parent() -> None:
 def run_one(bench: StalenessBenchConfig, method: StalenessMethodConfig, lag: int, seed: int, numerics: str,
             model_dir: Path, task_path: Path, run_dir: Path) -> dict[str, Any]:
     """Train one (method, k, seed, numerics) and return its curves and summary numbers."""
-    from learner.launch.run import run_training
-    from learner.observability.metrics_log import read_metrics
-    from learner.train.compose import engine_settings, load_task
-
-    shutil.rmtree(run_dir, ignore_errors=True)
-    config = _run_config(bench, method, lag, seed, numerics, model_dir, task_path, run_dir)
-    task, resolved_task = load_task(task_path)
-    settings = engine_settings(config.engine, str(task_path))
     started = time.perf_counter()
-    summary = asyncio.run(run_training(config, task, resolved_task, settings, run_dir / "cache", run_dir,
-                                       progress=False))
-    records = read_metrics(run_dir)
-    curves = {name: [_number(record.get(key)) for record in records] for name, key in CURVE_KEYS.items()}
+    config = _run_config(bench, method, lag, seed, numerics, model_dir, task_path, run_dir)
+    summary, records = train_run(config, task_path, run_dir)
+    curves = {name: [number(record.get(key)) for record in records] for name, key in CURVE_KEYS.items()}
     final = success_probability(run_dir / "export", bench)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # only the curves are kept
     shutil.rmtree(run_dir / "export", ignore_errors=True)
@@ -189,7 +192,22 @@ def run_one(bench: StalenessBenchConfig, method: StalenessMethodConfig, lag: int
             "host": host_description(), "curves": curves, **summarize_curves(curves, bench.collapse_fraction)}
 
 
-def _number(value: Any) -> float | None:
+def train_run(config: RunConfig, task_path: Path, run_dir: Path) -> tuple[Any, list[dict[str, Any]]]:
+    """`vcpo train` of `config` in this process, from an empty `run_dir`: its summary and metrics records."""
+    from learner.launch.run import run_training
+    from learner.observability.metrics_log import read_metrics
+    from learner.train.compose import engine_settings, load_task
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    task, resolved_task = load_task(task_path)
+    settings = engine_settings(config.engine, str(task_path))
+    summary = asyncio.run(run_training(config, task, resolved_task, settings, run_dir / "cache", run_dir,
+                                       progress=False))
+    return summary, read_metrics(run_dir)
+
+
+def number(value: Any) -> float | None:
+    """A metric's value as a float (non-finite kept as nan), None where it was not logged."""
     if value is None:
         return None
     value = float(value)
@@ -260,8 +278,17 @@ def run_key(bench: StalenessBenchConfig, job: Job, weights: str) -> str:
                   "algo": method.algo, "lr": method.lr, "lag": lag, "seed": seed, "numerics": numerics}
     if bench.device != "cpu":  # CPU runs keep the keys they were stored under
         decided_by["device"] = bench.device
+    if isinstance(bench, StalenessTimedBenchConfig):  # the timeline and what is measured on it
+        decided_by["timed"] = {"clock": bench.clock.model_dump(), "eval_every": bench.eval_every,
+                               **({"auto_lag": bench.auto_lag.model_dump()} if lag == "auto" else {})}
     digest = hashlib.sha256(json.dumps(decided_by, sort_keys=True).encode()).hexdigest()[:12]
     return f"{_run_name(method, lag, seed, numerics)}-{digest}"
+
+
+def policy_store(bench: StalenessBenchConfig) -> Path:
+    """Where the pre-taught policy is kept: the timed preset shares the synthetic preset's (`policy_dir`)."""
+    shared = getattr(bench, "policy_dir", None)
+    return Path(shared) if shared is not None else results_dir(bench)
 
 
 def results_dir(bench: StalenessMatrixConfig) -> Path:
@@ -300,9 +327,12 @@ def _matrix_jobs(bench: StalenessMatrixConfig) -> list[Job]:
             for numerics in bench.numerics_at(lag)]
 
 
-def _run_jobs(bench: StalenessBenchConfig, jobs: list[Job], model_dir: Path, task_path: Path, root: Path,
-              progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Every job's row: a stored one where it exists, else a fresh run (stored when it finishes)."""
+def run_jobs(bench: StalenessBenchConfig, jobs: list[Job], model_dir: Path, task_path: Path, root: Path,
+             progress: Callable[[str], None], runner: Callable[..., dict[str, Any]] | None = None
+             ) -> list[dict[str, Any]]:
+    """Every job's row: a stored one where it exists, else a fresh run of `runner` (default `run_one`; a
+    module-level function, as the workers are spawned) stored when it finishes."""
+    runner = run_one if runner is None else runner
     rows: list[dict[str, Any]] = []
     todo = []
     weights = policy_digest(model_dir)
@@ -318,7 +348,7 @@ def _run_jobs(bench: StalenessBenchConfig, jobs: list[Job], model_dir: Path, tas
         return rows
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=bench.workers, mp_context=context, initializer=_worker_init) as pool:
-        futures = {pool.submit(run_one, bench, *job, model_dir, task_path,
+        futures = {pool.submit(runner, bench, *job, model_dir, task_path,
                                root / "runs" / _run_name(*job)): job for job in todo}
         for future in as_completed(futures):
             method, lag, seed, numerics = futures[future]
@@ -401,16 +431,16 @@ def run_staleness_bench(bench: StalenessBenchConfig, progress: Callable[[str], N
         cap_method = next(m for m in bench.methods if m.name == bench.cap_method)
         probe = [(cap_method.model_copy(update={"lr": lr}), 1, bench.sweep_seed, "matched")
                  for lr in bench.lr_grid]
-        cap = _lr_cap(bench, _run_jobs(bench, probe, model_dir, task_path, root, progress))
+        cap = _lr_cap(bench, run_jobs(bench, probe, model_dir, task_path, root, progress))
         progress(f"[bench staleness] lr cap: {json.dumps(cap)}")
         grid = [lr for lr in bench.lr_grid if cap["cap"] is not None and lr <= cap["cap"]]
         chosen = [m for m in bench.methods if bench.only is None or m.name in bench.only]
         jobs = [(m.model_copy(update={"lr": lr}), 0, bench.sweep_seed, "matched")
                 for m in chosen for lr in grid]
-        rows = _run_jobs(bench, jobs, model_dir, task_path, root, progress)
+        rows = run_jobs(bench, jobs, model_dir, task_path, root, progress)
         result.update(lr_cap=cap, runs=_sorted(bench, rows), chosen_lr=choose_lrs(rows))
     else:
-        rows = _run_jobs(bench, _matrix_jobs(bench), model_dir, task_path, root, progress)
+        rows = run_jobs(bench, _matrix_jobs(bench), model_dir, task_path, root, progress)
         result.update(runs=_sorted(bench, rows), summary=summary_table(bench, rows))
         result["retention"] = retention_table(result["summary"], initial)
     result["wall_s"] = round(time.perf_counter() - started, 1)

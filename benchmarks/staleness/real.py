@@ -36,7 +36,6 @@ from typing import Any
 from agent_env.heldout import paired_change, result_from_file
 from benchmarks.staleness.bench import (
     CURVE_KEYS,
-    _number,
     _sorted,
     _store,
     _stored,
@@ -47,6 +46,9 @@ from benchmarks.staleness.bench import (
     retention_table,
     summarize_curves,
     summary_table,
+)
+from benchmarks.staleness.bench import (
+    number as metric_value,
 )
 from benchmarks.staleness.schema import StalenessMethodConfig, StalenessRealBenchConfig
 from configs.loader import load_config
@@ -187,7 +189,7 @@ def run_one(bench: StalenessRealBenchConfig, job: Job, policy: Path, weights: st
     start, final = result_from_file(start_file), result_from_file(_version_file(run_dir, bench.steps))
     change = paired_change(start, final)
     records = read_metrics(run_dir)
-    curves = {name: [_number(record.get(key)) for record in records if record.get("trainer_step", 1) > 0]
+    curves = {name: [metric_value(record.get(key)) for record in records if record.get("trainer_step", 1) > 0]
               for name, key in CURVE_KEYS.items()}
     summary = json.loads((run_dir / "summary.json").read_text())
     row = {"method": method.name, "lag": lag, "seed": seed, "numerics": bench.numerics_at(lag)[0],

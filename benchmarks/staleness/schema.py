@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from configs.base import StrictModel
-from configs.schema import AlgoConfig
+from configs.schema import AlgoConfig, AutoLagConfig
 
 
 class StalenessMethodConfig(StrictModel):
@@ -150,6 +150,64 @@ class StalenessBenchConfig(StalenessMatrixConfig):
         return self
 
 
+class TimedClockConfig(StrictModel):
+    """The simulated timeline of every timed run (`rollout.simulated_clock` without its seed: each run's
+    episode times are drawn from the run's seed, so the k's of one seed share their draws)."""
+
+    episode_median_s: float = Field(gt=0)
+    """Median generation time of one episode (simulated seconds)."""
+    episode_sigma: float = Field(ge=0)
+    """Standard deviation of the log of an episode's time."""
+    max_episode_s: float | None = Field(None, gt=0)
+    """Longest episode (the token budget); None = uncut."""
+    learner_s: float = Field(ge=0)
+    """One learner step (simulated seconds)."""
+    concurrent_groups: int = Field(ge=1)
+    """The simulated engine's capacity in groups."""
+
+
+class StalenessTimedBenchConfig(StalenessBenchConfig):
+    """`vcpo bench staleness --config benchmarks/configs/staleness_timed.yaml`: fixed lag bounds and
+    `max_lag: auto` on a simulated clock (rollout/sim_clock.py) — the synthetic preset's task and policy,
+    the lags decided by timing instead of saturated, the score's curve measured every `eval_every` steps,
+    so each (method, k) has a final score and a simulated time to reach 95% of its k = 0 final score
+    (benchmarks/staleness/timed.py)."""
+
+    kind: Literal["timed"]
+    """Marks this preset: `vcpo bench staleness` picks the schema by it."""
+    lags: list[Annotated[int, Field(ge=0)] | Literal["auto"]] = Field(  # type: ignore[assignment]
+        default_factory=lambda: [0, 4, 32, 128, "auto"])
+    """Fixed bounds k (the timeline decides each batch's lag, ≤ k) and 'auto' (`auto_lag`)."""
+    clock: TimedClockConfig
+    """The timeline every run is put on."""
+    auto_lag: AutoLagConfig = Field(default_factory=AutoLagConfig)
+    """The controller of the 'auto' runs."""
+    eval_every: int = Field(20, ge=1)
+    """Steps between two measurements of the score (checkpoints scored after the run)."""
+    target_fraction: float = Field(0.95, gt=0, le=1)
+    """Time to score: the first measurement at or above this share of the method's k = 0 final score."""
+    score_tolerance: float = Field(0.05, ge=0, lt=1)
+    """The goal: 'auto' within this share of the best fixed k's final score …"""
+    time_tolerance: float = Field(1.1, ge=1)
+    """… at most this multiple of the fastest fixed k's time to the score."""
+    policy_dir: str | None = None
+    """Where the pre-taught policy is kept and found (None = results_dir): the synthetic preset's
+    folder, so both presets start from the very same policy."""
+
+    @model_validator(mode="after")
+    def _check_timed(self) -> StalenessTimedBenchConfig:
+        if 0 not in self.lags:
+            raise ValueError(f"lags={self.lags}: the timed preset needs k = 0 (its final score defines the "
+                             "target every time to score is measured against); add 0")
+        if self.mode != "matrix":
+            raise ValueError("mode: the timed preset runs its matrix only; sweep lrs with the synthetic "
+                             "preset")
+        if self.steps % self.eval_every:
+            raise ValueError(f"steps={self.steps} is not a multiple of eval_every={self.eval_every}: the "
+                             "last step must be measured; make steps a multiple of it")
+        return self
+
+
 class StalenessRealBenchConfig(StalenessMatrixConfig):
     """`vcpo bench staleness --config benchmarks/configs/staleness_real.yaml`: the same matrix on a real
     language model doing the main job's agent task — every run is `vcpo train` of `run_config` started
@@ -193,6 +251,8 @@ class StalenessRealBenchConfig(StalenessMatrixConfig):
 
 
 def staleness_schema(raw: Any) -> type[StalenessMatrixConfig]:
-    """The schema of a `vcpo bench staleness` config: the real-model preset carries `kind: real`."""
-    return StalenessRealBenchConfig if isinstance(raw, dict) and raw.get("kind") == "real" else \
-        StalenessBenchConfig
+    """The schema of a `vcpo bench staleness` config: the real-model preset carries `kind: real`, the
+    simulated-clock one `kind: timed`, the synthetic one no kind."""
+    kind = raw.get("kind") if isinstance(raw, dict) else None
+    return {"real": StalenessRealBenchConfig, "timed": StalenessTimedBenchConfig}.get(
+        kind, StalenessBenchConfig)
