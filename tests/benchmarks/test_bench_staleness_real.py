@@ -142,3 +142,30 @@ def test_the_committed_summary_is_what_the_committed_runs_give(tmp_path: Path) -
     assert recomputed["initial_success_per_seed"] == committed["initial_success_per_seed"]
     stored = {(r["method"], r["lag"], r["seed"]) for r in result["runs"]}
     assert len(stored) == sum(e["seeds"] for e in committed["summary"])  # every stored row counted once
+
+
+SWEEP = BENCH_CONFIG_ROOT / "staleness_real_sweep.yaml"
+
+
+def test_the_lr_was_fixed_at_k0_on_a_seed_the_matrix_does_not_use(tmp_path: Path) -> None:
+    """The matrix's one lr is the sweep's, the sweep ran at k = 0 only, on seeds apart from the matrix's,
+    and every stored sweep run learned and held: its final held-out score above its start (paired 95%
+    interval above 0), recomputed from the committed rows."""
+    matrix = StalenessRealBenchConfig.model_validate(yaml.safe_load(PRESET.read_text()))
+    raw = yaml.safe_load(SWEEP.read_text())
+    sweep = StalenessRealBenchConfig.model_validate(raw)
+    assert bench_schema_of(SWEEP) is StalenessRealBenchConfig
+    assert sweep.lags == [0] and not set(sweep.seeds) & set(matrix.seeds)
+    assert {m.lr for m in sweep.methods} == {m.lr for m in matrix.methods}
+    assert (sweep.steps, sweep.groups_per_step, sweep.group_size, sweep.eval_samples) == (
+        matrix.steps, matrix.groups_per_step, matrix.group_size, matrix.eval_samples)
+    rows_dir = ROOT / raw["results_dir"]
+    if not rows_dir.is_dir():
+        pytest.skip(f"{raw['results_dir']} holds no sweep runs yet")
+    bench = StalenessRealBenchConfig.model_validate({**raw, "run": False, "run_root": str(tmp_path / "bench"),
+                                                     "results_dir": str(rows_dir)})
+    result = run_real_staleness_bench(bench, ROOT, tmp_path / "cache")
+    finished = [r for r in result["runs"] if "error" not in r and "final_success" in r]
+    assert finished, "the sweep's folder has no finished run"
+    for row in finished:
+        assert row["gain_low"] > 0, f"{row['method']} at lr {row['lr']:g} did not hold its gain"
