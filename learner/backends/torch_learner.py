@@ -67,7 +67,7 @@ from learner.traj_grads.opob_grad import (
 from rollout.trajectory import Trajectory
 from rollout.types import DEFAULT_TEMPERATURE
 from vcpo.corrections import Correction, apply_corrections
-from vcpo.groups import index_groups, single_group
+from vcpo.groups import degenerate_groups, index_groups, single_group
 from vcpo.objectives import BatchContext, PolicyLossInputs
 from vcpo.step_size import StepSizeInputs
 
@@ -208,9 +208,8 @@ class TorchLearner:
         group_ids = torch.tensor(list(batch.group_ids), dtype=torch.long, device=self.device)
         lags = torch.tensor(list(batch.lags), dtype=torch.long, device=self.device)
         reuse = self.reuses_gradient_forward
-        # VCPO: groups whose gradient is exactly 0 get micro-batches of their own, out of the gradient pass
-        silent = (self._silent_trajectories(tokens, rewards, group_ids) if self.objective.needs_grad_norms
-                  else None)
+        # groups whose gradient is exactly 0 get micro-batches of their own, out of the gradient pass
+        silent = self._silent_trajectories(tokens, rewards, group_ids)
         ranked = self._pack_ranked(tokens, apart=silent)
         microbatches = [mb for mb, _ in ranked]
         rank = self.data_parallel.rank if self.data_parallel is not None else 0
@@ -264,7 +263,11 @@ class TorchLearner:
             if self.objective.needs_grad_norms:
                 self._regularizer_gradient(full, context, rewards, group_ids, lags, mine)
             else:
-                self._objective_gradient(full, context, rewards, group_ids, lags, mine)
+                skipped_groups = self._objective_gradient(full, context, rewards, group_ids, lags, mine,
+                                                          quiet)
+                if self.data_parallel is not None:
+                    count = torch.tensor([float(skipped_groups)], device=self.device)
+                    skipped_groups = int(self.data_parallel.all_reduce_sum_(count).item())
         with torch.no_grad():
             output = self.objective(whole, context)
             lr_scale = self.lr_rule(StepSizeInputs(output.log_is_weights, output.valid, lags))
@@ -310,8 +313,7 @@ class TorchLearner:
             mask = [bool(m) and next(trained) for m in t.loss_mask]
             corrected_tokens.append(TrajectoryTokens(t.token_ids, mask, group_id=t.group_id,
                                                      token_weights=t.token_weights))
-        silent = (self._silent_trajectories(corrected_tokens, rewards, group_ids)
-                  if self.objective.needs_grad_norms else None)
+        silent = self._silent_trajectories(corrected_tokens, rewards, group_ids)
         ranked = self._pack_ranked(corrected_tokens, apart=silent)
         microbatches = [mb for mb, _ in ranked]
         rank = self.data_parallel.rank if self.data_parallel is not None else 0
@@ -397,17 +399,31 @@ class TorchLearner:
         return ranked
 
     def _silent_trajectories(self, tokens: list[TrajectoryTokens], rewards: Tensor,
-                             group_ids: Tensor) -> Tensor:
-        """(B,) bool: the members of groups whose VCPO coefficients a_i, s_i are all exactly 0 whatever the
-        IS weights — the trajectories the objective does not keep (`advantage_divisor`: in the spec form the
-        degenerate groups' members and those without trained tokens; in the reference form only the latter),
-        grouped so a group is silent only when all its members are. They are packed apart and left out of the
-        gradient pass (69–86% of the default run's groups are: docs/results.md); the proximal pass still
-        forwards them (their IS weights enter the ESS, the step size and the metrics), and with
-        `learner.proximal: reuse` that no-grad forward gives their log π_old."""
+                             group_ids: Tensor) -> Tensor | None:
+        """(B,) bool: the members of groups whose gradient is exactly 0 whatever the weights, or None when the
+        objective has no such groups. VCPO: the trajectories whose coefficients a_i, s_i are 0 (those the
+        objective does not keep, `advantage_divisor`: in the spec form the degenerate groups' members and
+        those without trained tokens; in the reference form only the latter). An objective whose loss is
+        linear in a group-relative advantage (`silent_when_degenerate`: GRPO, the TIS family, ...): the
+        members of degenerate groups, where every advantage is exactly 0. Grouped so a group is silent only
+        when all its members are. They are packed apart and left out of the gradient pass (69–86% of the
+        default run's groups are: docs/results.md); the proximal pass still forwards them (their IS weights
+        enter the ESS, the step size and the metrics), and with `learner.proximal: reuse` that no-grad
+        forward gives their log π_old. A step whose every group is silent steps the optimizer on an exact
+        zero gradient (AdamW's moments decay, as when the zero is computed), whatever the objective."""
         # trained targets: positions 1.. of the loss mask (packing.build_microbatch), as `trained_counts`
         valid = torch.tensor([any(t.loss_mask[1:]) for t in tokens], dtype=torch.bool, device=self.device)
-        _, keep = self.objective.advantage_divisor(rewards, valid, index_groups(group_ids))
+        groups = index_groups(group_ids)
+        if self.objective.needs_grad_norms:
+            _, keep = self.objective.advantage_divisor(rewards, valid, groups)
+        elif self.objective.silent_when_degenerate:
+            # group statistics count every member with a finite reward, trained tokens or not (a filtered or
+            # rejected one too: vcpo/objectives/base.py, prepare_batch); the objective's members are a subset
+            # (it also drops non-finite log-probs), so a group degenerate here is degenerate there too
+            in_statistics = torch.isfinite(rewards)
+            keep = valid & ~degenerate_groups(rewards, in_statistics, groups)[groups.index]
+        else:
+            return None
         zero = (~keep).tolist()
         silent: dict[int, bool] = {}
         for t, z in zip(tokens, zero, strict=True):
@@ -489,11 +505,21 @@ class TorchLearner:
             yield inputs, context.select(local, pad.shape[1])
 
     def _objective_gradient(self, full: _FullBatch, context: BatchContext, rewards: Tensor, group_ids: Tensor,
-                            lags: Tensor, mine: list[bool]) -> None:
+                            lags: Tensor, mine: list[bool], quiet: list[bool]) -> int:
         """Back-propagate the objective's loss per micro-batch, the whole minibatch's statistics held fixed
-        (`context`): the summed gradient is the whole minibatch's whatever the split."""
-        for inputs, local_context in self._microbatch_losses(full, context, rewards, group_ids, lags, mine):
+        (`context`): the summed gradient is the whole minibatch's whatever the split. `quiet` micro-batches
+        (silent groups only, `_silent_trajectories`) add exactly nothing and are left out; returns how many
+        of this rank's groups they held."""
+        train = [own and not is_quiet for own, is_quiet in zip(mine, quiet, strict=True)]
+        for inputs, local_context in self._microbatch_losses(full, context, rewards, group_ids, lags, train):
             self.objective(inputs, local_context).loss.backward()
+        if not any(train):  # nothing back-propagated: an exact zero, stepped on as a computed one is
+            for parameter in self.model.parameters():
+                if parameter.requires_grad and parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+        left_out = {int(g) for mb, own, is_quiet in zip(full.microbatches, mine, quiet, strict=True)
+                    if own and is_quiet for g in group_ids[mb.trajectory_indices].tolist()}
+        return len(left_out)
 
     def _regularizer_gradient(self, full: _FullBatch, context: BatchContext, rewards: Tensor,
                               group_ids: Tensor, lags: Tensor, mine: list[bool]) -> None:

@@ -4,6 +4,7 @@ gradient — for every objective of the registry, however the rows are split (gr
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -171,3 +172,40 @@ def test_parts_of_a_corrected_minibatch_with_its_context_sum_to_the_whole(name: 
     (got,) = torch.autograd.grad(sum(losses), params_leaf)
     torch.testing.assert_close(sum(losses), whole, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+DEGENERATE = [0.1, 0.1, 0.1, 1.0, 0.0, 1.0, 0.7, 0.7, 0.0]
+"""Group 0 scored alike (0.1, not exact in float32); group 1 mixed; group 2 mixed."""
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_a_degenerate_groups_gradient_is_exactly_zero_where_the_objective_says_so(name: str) -> None:
+    """`silent_when_degenerate` lets the learner leave a degenerate group out of the gradient pass: where an
+    objective claims it, the group's rows get an exactly zero gradient under noisy behaviour and reference
+    log-probs while the other groups get a real one; where it does not claim it, no check (REINFORCE, OTB,
+    TBA, VCPO's own coefficients decide for it)."""
+    objective = make_objective(name)
+    inputs, leaf_params = _minibatch(seed=3)
+    inputs = dataclasses.replace(inputs, rewards=torch.tensor(DEGENERATE))
+    (grad,) = torch.autograd.grad(objective(inputs).loss, leaf_params, retain_graph=True)
+    if not objective.silent_when_degenerate:
+        return
+    assert float(grad[:3].abs().max()) == 0.0
+    on_policy = dataclasses.replace(inputs, behavior_logprobs=inputs.old_logprobs)  # nothing clipped (GSPO)
+    (grad,) = torch.autograd.grad(objective(on_policy).loss, leaf_params)
+    assert float(grad[:3].abs().max()) == 0.0 and float(grad[3:].abs().max()) > 1e-4
+    with_kl = make_objective(name, kl_coef=0.1)
+    assert not with_kl.silent_when_degenerate  # a KL term has a gradient on every group
+
+
+def test_the_claim_is_not_made_where_a_degenerate_group_has_a_gradient() -> None:
+    """The check above can fail: REINFORCE's minibatch baseline gives an alike group a gradient, and it
+    does not claim the property."""
+    objective = make_objective("reinforce")
+    inputs, leaf_params = _minibatch(seed=3)
+    inputs = dataclasses.replace(inputs, rewards=torch.tensor(DEGENERATE))
+    (grad,) = torch.autograd.grad(objective(inputs).loss, leaf_params)
+    assert float(grad[:3].abs().max()) > 1e-4 and not objective.silent_when_degenerate
+    claimed = sorted(n for n in OBJECTIVES if make_objective(n).silent_when_degenerate)
+    assert claimed == ["bapo", "cispo", "dr_grpo", "grpo", "gspo", "m2po", "mis", "rloo", "seq_tis",
+                       "token_tis"]

@@ -225,6 +225,9 @@ class Objective(Protocol):
     @property
     def needs_entropy(self) -> bool: ...
 
+    @property
+    def silent_when_degenerate(self) -> bool: ...
+
     def batch_context(self, inputs: PolicyLossInputs) -> BatchContext: ...
 
     def __call__(self, inputs: PolicyLossInputs, context: BatchContext | None = None) -> PolicyLossOutput: ...
@@ -357,6 +360,11 @@ class ObjectiveBase:
     uses_ref_logprobs: ClassVar[bool] = False
     uses_sum_probs_squared: ClassVar[bool] = False
     takes_token_weights: ClassVar[bool] = False
+    silent_degenerate_groups: ClassVar[bool] = False
+    """The policy loss is linear in a group-relative advantage that is exactly 0 for every member of a
+    degenerate group (all alike, or a singleton: `vcpo.advantages._finalize`), so such a group adds exactly
+    nothing to the gradient — with no KL or entropy term (`silent_when_degenerate`). Checked per objective
+    by tests/vcpo/test_objectives.py."""
 
     loss_aggregation: str = "token-mean"
     token_sum_normalizer: float | None = None
@@ -402,6 +410,12 @@ class ObjectiveBase:
     @property
     def needs_entropy(self) -> bool:
         return self.entropy_coef > 0
+
+    @property
+    def silent_when_degenerate(self) -> bool:
+        """Whether a degenerate group's gradient is exactly 0 here (the learner then leaves it out of the
+        gradient pass): the objective's policy loss says so, and no KL or entropy term adds one."""
+        return self.silent_degenerate_groups and self.kl_coef == 0 and self.entropy_coef == 0
 
     @property
     def accepts_token_weights(self) -> bool:

@@ -95,6 +95,7 @@ class GRPO(PpoClipOptions, ObjectiveBase):
     """
 
     name: ClassVar[str] = "grpo"
+    silent_degenerate_groups: ClassVar[bool] = True
     takes_token_weights: ClassVar[bool] = True
     normalize_std: bool = True
     eps: float = 1e-6
@@ -118,6 +119,7 @@ class DrGRPO(PpoClipOptions, ObjectiveBase):
     """
 
     name: ClassVar[str] = "dr_grpo"
+    silent_degenerate_groups: ClassVar[bool] = True
     takes_token_weights: ClassVar[bool] = True
     loss_aggregation: str = "seq-mean-token-sum-norm"
 
@@ -137,6 +139,7 @@ class TokenTIS(PpoClipOptions, ObjectiveBase):
     """
 
     name: ClassVar[str] = "token_tis"
+    silent_degenerate_groups: ClassVar[bool] = True
     token_is_cap: float = 2.0
 
     def _check_options(self) -> list[str]:
@@ -169,6 +172,7 @@ class MIS(PpoClipOptions, ObjectiveBase):
     """
 
     name: ClassVar[str] = "mis"
+    silent_degenerate_groups: ClassVar[bool] = True
     is_cap: float = 2.0
     level: str = "token"
 
@@ -202,6 +206,7 @@ class M2PO(ObjectiveBase):
     """
 
     name: ClassVar[str] = "m2po"
+    silent_degenerate_groups: ClassVar[bool] = True
     tau: float = 0.04
 
     def _check_options(self) -> list[str]:
@@ -237,6 +242,7 @@ class BAPO(ObjectiveBase):
     """
 
     name: ClassVar[str] = "bapo"
+    silent_degenerate_groups: ClassVar[bool] = True
     clip_low_range: tuple[float, float] = (0.6, 0.9)
     clip_high_range: tuple[float, float] = (1.2, 3.0)
     step: float = 0.05
@@ -326,6 +332,7 @@ class GSPO(ObjectiveBase):
     """
 
     name: ClassVar[str] = "gspo"
+    silent_degenerate_groups: ClassVar[bool] = True
     loss_aggregation: str = "seq-mean-token-mean"
     clip_low: float = 3e-4
     clip_high: float = 4e-4
@@ -386,6 +393,7 @@ class CISPO(ObjectiveBase):
     """
 
     name: ClassVar[str] = "cispo"
+    silent_degenerate_groups: ClassVar[bool] = True
     clip_low: float = 1.0
     clip_high: float = 0.28
     ratio_to: str = "behavior"

@@ -109,6 +109,7 @@ class RLOO(ObjectiveBase):
     """
 
     name: ClassVar[str] = "rloo"
+    silent_degenerate_groups: ClassVar[bool] = True
     takes_token_weights: ClassVar[bool] = True
     loss_aggregation: str = "seq-mean-token-mean"
 
@@ -128,6 +129,7 @@ class SeqTIS(SequenceTisOptions, ObjectiveBase):
     """
 
     name: ClassVar[str] = "seq_tis"
+    silent_degenerate_groups: ClassVar[bool] = True
     loss_aggregation: str = "seq-mean-token-mean"
 
     def _statistics(self, batch: PreparedBatch) -> Statistics:

@@ -589,3 +589,59 @@ def test_shared_prompts_keep_on_policy_ratios_exact() -> None:
     metrics = learner.step(StepInput(group, [0] * 4, [0] * 4, [True] * 4))
     assert metrics["is/ess_ratio"] == pytest.approx(1.0, abs=1e-6)
     assert metrics["is/log_w_mean"] == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("objective", ["grpo", "seq_tis", "m2po", "rloo"])
+def test_a_degenerate_group_leaves_the_gradient_pass_under_every_advantage_objective(
+    objective: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As VCPO's: under an objective whose loss is linear in a group-relative advantage, a group that scored
+    alike (exactly 0 advantage) is left out of the gradient pass, and the step is the one that forwards and
+    back-propagates it."""
+    step = _with_rewards(_noisy_step(), [1.0, 0.0, 1.0, 0.1, 0.1, 0.1, 0.0, 1.0, 1.0])
+    algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": 3})
+    skipping = _learner(algo, micro_batch_tokens=8)
+    grads, metrics = capture_grads(skipping), skipping.step(step)
+    assert metrics["train/skipped_groups"] == 1 and metrics["train/degenerate_groups"] == 1
+    with monkeypatch.context() as patch:
+        patch.setattr(TorchLearner, "_silent_trajectories", lambda self, *args: None)
+        forwarding = _learner(algo, micro_batch_tokens=8)
+        all_grads, all_metrics = capture_grads(forwarding), forwarding.step(step)
+    assert all_metrics["train/skipped_groups"] == 0
+    _assert_same_step(grads, metrics, all_grads, all_metrics)
+
+
+@pytest.mark.parametrize(("objective", "params"),
+                         [("grpo", {"kl_coef": 0.1}), ("reinforce", {}), ("tba", {})])
+def test_a_degenerate_group_stays_in_the_gradient_pass_where_its_gradient_is_not_zero(
+    objective: str, params: dict[str, Any]) -> None:
+    """A KL term, REINFORCE's minibatch baseline or TBA's balance give an alike group a gradient: kept."""
+    step = _with_rewards(_noisy_step(), [1.0, 0.0, 1.0, 0.1, 0.1, 0.1, 0.0, 1.0, 1.0])
+    algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": 3, **params})
+    learner = _learner(algo, micro_batch_tokens=8)
+    if params.get("kl_coef"):
+        _perturb_reference(learner)
+    assert learner.step(step)["train/skipped_groups"] == 0
+
+
+def test_a_grpo_step_whose_groups_are_all_degenerate_runs_no_gradient_pass_and_steps_on_zero() -> None:
+    """As VCPO's: no gradient pass at all, an exact zero gradient present on every parameter, AdamW steps."""
+    step = _with_rewards(_noisy_step(), [0.1, 0.1, 0.1, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    algo = AlgoConfig.model_validate({"objective": {"type": "grpo"}, "group_size": 3})
+    learner = _learner(algo)
+    grads = capture_grads(learner)
+    metrics = learner.step(step)
+    assert metrics["train/skipped_groups"] == 3
+    assert all(float(g.abs().sum()) == 0.0 for g in grads.values())
+    fresh = _learner(algo)  # every parameter gets its zero: AdamW steps all of them
+    assert fresh.step(step)["grad/norm"] == 0.0
+    assert all(float(fresh.optimizer.state[p]["step"]) == 1.0 for p in fresh.model.parameters())
+
+
+def test_a_group_alike_only_among_its_trained_members_keeps_its_gradient() -> None:
+    """A member without trained tokens still counts in its group's statistics: group 1 scores 1, 0, 0 with
+    the 1 untrained, so its trained members have advantage −1/3 (not a degenerate group) — kept."""
+    step = _with_rewards(_noisy_step(), [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    step = dataclasses.replace(step, is_trained=[True, True, True, False, True, True, True, True, True])
+    algo = AlgoConfig.model_validate({"objective": {"type": "grpo"}, "group_size": 3})
+    assert _learner(algo, micro_batch_tokens=8).step(step)["train/skipped_groups"] == 0
