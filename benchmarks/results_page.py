@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.staleness.bench import mean_ci_text
+from benchmarks.staleness.timed import format_timed
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = (ROOT / "docs" / "results.md", ROOT / "README.md")
@@ -335,6 +336,7 @@ def bench_async(data: dict[str, Any]) -> str:
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "staleness_ten_seeds": staleness_ten_seeds,
     "staleness_matrix": staleness_matrix,
+    "staleness_timed": format_timed,
     "main_job_seeds": main_job_seeds,
     "main_job_readme": main_job_readme,
     "main_job_other_runs": main_job_other_runs,

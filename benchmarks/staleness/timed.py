@@ -200,7 +200,8 @@ def _verdict(bench: StalenessTimedBenchConfig, method: str, cells: dict[Any, dic
 
 
 def format_timed(result: dict[str, Any]) -> str:
-    """Markdown: per method and k the final score and the time to score; then the goal per method."""
+    """Markdown: per method and k the final score and the time to score; then the goal per method (from a
+    run's result or its compact summary, docs/results/staleness_timed.json)."""
     summary = result["summary"]
     lines = [f"Final exact success probability (mean ± 95% interval over seeds) and simulated time to "
              f"{result['config']['target_fraction']:.0%} of the method's k = 0 final score (mean ± 95% "
