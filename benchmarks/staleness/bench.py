@@ -279,7 +279,8 @@ def run_key(bench: StalenessBenchConfig, job: Job, weights: str) -> str:
     if bench.device != "cpu":  # CPU runs keep the keys they were stored under
         decided_by["device"] = bench.device
     if isinstance(bench, StalenessTimedBenchConfig):  # the timeline and what is measured on it
-        decided_by["timed"] = {"clock": bench.clock.model_dump(), "eval_every": bench.eval_every,
+        decided_by["timed"] = {"clock": bench.clock.model_dump(exclude={"seed"}),
+                               "eval_every": bench.eval_every,
                                **({"auto_lag": bench.auto_lag.model_dump()} if lag == "auto" else {})}
     digest = hashlib.sha256(json.dumps(decided_by, sort_keys=True).encode()).hexdigest()[:12]
     return f"{_run_name(method, lag, seed, numerics)}-{digest}"

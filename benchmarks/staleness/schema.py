@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from configs.base import StrictModel
-from configs.schema import AlgoConfig, AutoLagConfig
+from configs.schema import AlgoConfig, AutoLagConfig, SimulatedClockConfig
 
 
 class StalenessMethodConfig(StrictModel):
@@ -150,22 +150,6 @@ class StalenessBenchConfig(StalenessMatrixConfig):
         return self
 
 
-class TimedClockConfig(StrictModel):
-    """The simulated timeline of every timed run (`rollout.simulated_clock` without its seed: each run's
-    episode times are drawn from the run's seed, so the k's of one seed share their draws)."""
-
-    episode_median_s: float = Field(gt=0)
-    """Median generation time of one episode (simulated seconds)."""
-    episode_sigma: float = Field(ge=0)
-    """Standard deviation of the log of an episode's time."""
-    max_episode_s: float | None = Field(None, gt=0)
-    """Longest episode (the token budget); None = uncut."""
-    learner_s: float = Field(ge=0)
-    """One learner step (simulated seconds)."""
-    concurrent_groups: int = Field(ge=1)
-    """The simulated engine's capacity in groups."""
-
-
 class StalenessTimedBenchConfig(StalenessBenchConfig):
     """`vcpo bench staleness --config benchmarks/configs/staleness_timed.yaml`: fixed lag bounds and
     `max_lag: auto` on a simulated clock (rollout/sim_clock.py) — the synthetic preset's task and policy,
@@ -178,8 +162,9 @@ class StalenessTimedBenchConfig(StalenessBenchConfig):
     lags: list[Annotated[int, Field(ge=0)] | Literal["auto"]] = Field(  # type: ignore[assignment]
         default_factory=lambda: [0, 4, 32, 128, "auto"])
     """Fixed bounds k (the timeline decides each batch's lag, ≤ k) and 'auto' (`auto_lag`)."""
-    clock: TimedClockConfig
-    """The timeline every run is put on."""
+    clock: SimulatedClockConfig
+    """The timeline every run is put on (`rollout.simulated_clock`); its seed stays unset: each run draws its
+    episode times from its own seed, so the k's of one seed share their draws."""
     auto_lag: AutoLagConfig = Field(default_factory=AutoLagConfig)
     """The controller of the 'auto' runs."""
     eval_every: int = Field(20, ge=1)
@@ -202,6 +187,9 @@ class StalenessTimedBenchConfig(StalenessBenchConfig):
         if self.mode != "matrix":
             raise ValueError("mode: the timed preset runs its matrix only; sweep lrs with the synthetic "
                              "preset")
+        if self.clock.seed is not None:
+            raise ValueError(f"clock.seed={self.clock.seed}: every run draws its episode times from its own "
+                             "seed (the k's of a seed share them); remove clock.seed")
         if self.steps % self.eval_every:
             raise ValueError(f"steps={self.steps} is not a multiple of eval_every={self.eval_every}: the "
                              "last step must be measured; make steps a multiple of it")

@@ -58,8 +58,8 @@ def test_fixed_and_auto_bounds_run_on_the_timeline_and_are_scored_against_simula
         assert times == sorted(times) and run["sim_time_s"] == times[-1]
         assert [p["time"] for p in run["score_curve"][1:]] == [times[2], times[5]]
         # the timeline, replayed from the clock's settings (seed = the run's) and the bounds in force
-        replay = SimulatedClock(ClockSettings(**bench.clock.model_dump(), seed=0), groups_per_batch=2,
-                                group_size=4, total_batches=6)
+        settings = ClockSettings(**bench.clock.model_dump(exclude={"seed"}), seed=0)
+        replay = SimulatedClock(settings, groups_per_batch=2, group_size=4, total_batches=6)
         bounds = [0 if lag == "auto" else lag] + [int(b) for b in run["curves"]["max_lag"]]
         for version, bound in enumerate(bounds):
             replay.open_version(version, bound)
