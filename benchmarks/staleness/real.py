@@ -10,8 +10,10 @@ never trained on, sampled as the rollouts are), evaluated by the trainer after t
 evaluation of the starting policy gives each run's paired gain over the start.
 
 The starting policy's evaluation depends only on the seed (fixed per-(prompt, sample) sampling seeds),
-so it is made once per seed — by the first run of that seed — kept in `results_dir/start/`, and placed
-into every later run of the seed before it starts, where the trainer finds it finished and reuses it.
+the starting weights and the evaluation's settings (the run config, the overrides, `eval_samples`), so it
+is made once per such start — by the first run of it — kept in `results_dir/start/` under a name keyed by
+all of them, and placed into every later run of it before it starts, where the trainer finds it finished
+and reuses it. A start with other settings finds no file and evaluates for itself.
 
 Finished runs are stored as small JSON rows in `results_dir` keyed by everything that decides them (the
 run config and overrides, the warm-started weights' digest, the method, lr, k, seed, steps, batch); an
@@ -59,7 +61,7 @@ Job = tuple[StalenessMethodConfig, int, int]
 """(method with its lr, lag k, seed)."""
 
 START_DIR = "start"
-"""Under results_dir: the starting policy's held-out evaluation per seed (`seed_<s>.jsonl`)."""
+"""Under results_dir: the starting policy's held-out evaluations (`start_store`)."""
 
 
 def base_config(bench: StalenessRealBenchConfig, repo_root: Path) -> RunConfig:
@@ -123,6 +125,16 @@ def run_key(bench: StalenessRealBenchConfig, job: Job, repo_root: Path) -> str:
     return f"{run_name(job)}-{digest}"
 
 
+def start_store(bench: StalenessRealBenchConfig, seed: int, weights: str, repo_root: Path) -> Path:
+    """Where the starting policy's evaluation for `seed` is kept: named by everything that decides it
+    (the run config's text and the overrides, the number of held-out prompts, the seed, the weights), so
+    that a run never reuses an evaluation made with other settings."""
+    decided_by = {"run_config": (repo_root / bench.run_config).read_text(), "overrides": bench.overrides,
+                  "eval_samples": bench.eval_samples, "seed": seed, "weights": weights}
+    digest = hashlib.sha256(json.dumps(decided_by, sort_keys=True).encode()).hexdigest()[:12]
+    return results_dir(bench) / START_DIR / f"seed_{seed}-{digest}.jsonl"
+
+
 def run_overrides(bench: StalenessRealBenchConfig, job: Job, policy: Path, run_dir: Path) -> list[str]:
     """The `vcpo train` overrides of one run (after the preset's own): the method's algo keys replace the
     run config's, the rest pins what the matrix varies or fixes."""
@@ -167,10 +179,10 @@ def run_one(bench: StalenessRealBenchConfig, job: Job, policy: Path, weights: st
     """Train one (method, k, seed) with `vcpo train` (resuming its run directory if it holds a checkpoint)
     and return its row: curves, final and starting held-out success, the paired gain, time."""
     method, lag, seed = job
-    start_store = results_dir(bench) / START_DIR / f"seed_{seed}.jsonl"
+    stored_start = start_store(bench, seed, weights, repo_root)
     start_file = _version_file(run_dir, 0)
-    if start_store.is_file() and not (run_dir / "checkpoints").is_dir():
-        _copy_atomically(start_store, start_file)  # the trainer finds it finished and reuses it
+    if stored_start.is_file() and not (run_dir / "checkpoints").is_dir():
+        _copy_atomically(stored_start, start_file)  # the trainer finds it finished and reuses it
     command = [sys.executable, "-m", "cli", "train", str(repo_root / bench.run_config), "--no-progress",
                *run_overrides(bench, job, policy, run_dir)]
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -184,8 +196,8 @@ def run_one(bench: StalenessRealBenchConfig, job: Job, policy: Path, weights: st
     if finished.returncode != 0:
         raise RuntimeError(f"`vcpo train` exited with {finished.returncode} (log: {run_dir / 'bench.log'}); "
                            "the run resumes from its newest checkpoint on the next call")
-    if not start_store.is_file():
-        _copy_atomically(start_file, start_store)
+    if not stored_start.is_file():
+        _copy_atomically(start_file, stored_start)
     start, final = result_from_file(start_file), result_from_file(_version_file(run_dir, bench.steps))
     change = paired_change(start, final)
     records = read_metrics(run_dir)

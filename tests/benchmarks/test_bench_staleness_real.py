@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from benchmarks import BENCH_CONFIG_ROOT
-from benchmarks.staleness.real import matrix_jobs, run_key, run_real_staleness_bench
+from benchmarks.staleness.real import matrix_jobs, run_key, run_real_staleness_bench, start_store
 from benchmarks.staleness.schema import StalenessRealBenchConfig, staleness_schema
 from cli.config_catalog import bench_schema_of
 from tests.benchmarks.tiny_countdown import tiny_countdown_run
@@ -62,7 +62,8 @@ def test_each_run_is_a_real_vcpo_train_at_exact_lags_and_a_rerun_reuses_the_rows
         assert not (tmp_path / "bench" / "runs" / f"{method}-lr0.0001-k{lag}-s0" / "checkpoints").exists()
     # one starting evaluation per seed: made by the first run, reused by the other three
     assert len({run["start_success"] for run in runs.values()}) == 1
-    assert (tmp_path / "bench" / "results" / "start" / "seed_0.jsonl").is_file()
+    assert [p.name for p in (tmp_path / "bench" / "results" / "start").iterdir()] == [
+        start_store(bench, 0, runs[("grpo", 0)]["weights"], ROOT).name]
     # the diagnostics that explain a collapse are there (the random model solves nothing, so its weights
     # never move and w = 1: tests/benchmarks/test_bench_staleness.py shows them moving)
     assert all(runs[cell][key] is not None for cell in runs
@@ -82,6 +83,20 @@ def test_each_run_is_a_real_vcpo_train_at_exact_lags_and_a_rerun_reuses_the_rows
                                           tmp_path / "cache")
     cells = {(e["method"], e["lag"]): e["status"] for e in recomputed["summary"]}
     assert cells[("vcpo", 2)] == "ok" and cells[("vcpo", 4)] == "not run"  # run: false trains nothing
+
+
+def test_a_starting_evaluation_is_reused_only_under_the_settings_that_made_it(tmp_path: Path) -> None:
+    config = _tiny_run_config(tmp_path, tmp_path)
+    bench = _bench(tmp_path, config)
+    same = start_store(bench, 0, "w1", ROOT)
+    assert same == start_store(bench.model_copy(update={"lags": [0, 8], "steps": 20}), 0, "w1", ROOT)
+    others = [start_store(bench, 1, "w1", ROOT), start_store(bench, 0, "w2", ROOT),
+              start_store(bench.model_copy(update={"eval_samples": 16}), 0, "w1", ROOT),
+              start_store(bench.model_copy(update={"overrides": ["trainer.eval_temperature=0.5"]}), 0, "w1",
+                          ROOT)]
+    config.write_text(config.read_text() + "\n# edited\n")
+    others.append(start_store(bench, 0, "w1", ROOT))
+    assert len({same, *others}) == 1 + len(others)
 
 
 def test_a_stored_row_from_other_starting_weights_is_not_reused(tmp_path: Path) -> None:
