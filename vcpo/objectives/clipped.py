@@ -301,24 +301,39 @@ def _ratio_denominator(batch: PreparedBatch, ratio_to: str) -> torch.Tensor:
     return batch.behavior_logprobs if ratio_to == "behavior" else batch.old_logprobs
 
 
-def _check_ratio_options(
-    ratio_to: str, clip_low: float, clip_high: float, allow_zero_bound: bool
-) -> list[str]:
-    """Problems with GSPO's/CISPO's options; `allow_zero_bound`: clip_low = 1 (lower bound 0) is allowed."""
-    problems = []
-    if ratio_to not in RATIO_DENOMINATORS:
-        problems.append(f"ratio_to={ratio_to!r}; valid: {list(RATIO_DENOMINATORS)}")
-    in_range = 0.0 <= clip_low <= 1.0 if allow_zero_bound else 0.0 <= clip_low < 1.0
-    if not in_range:
-        interval = "[0, 1]" if allow_zero_bound else "[0, 1)"
-        problems.append(f"clip_low={clip_low} must be in {interval} (the lower bound is 1 − clip_low)")
-    if clip_high < 0:
-        problems.append(f"clip_high={clip_high} must be ≥ 0")
-    return problems
+class _RatioToOptions:
+    """GSPO's and CISPO's shared options: the ratio's denominator ν (`ratio_to`: μ or π_old) and the clip
+    range [1 − clip_low, 1 + clip_high]; GRPO's group advantages. `allow_zero_bound`: clip_low = 1 (a lower
+    bound of 0) is allowed."""
+
+    allow_zero_bound: ClassVar[bool] = False
+    ratio_to: str
+    clip_low: float
+    clip_high: float
+
+    def _check_options(self) -> list[str]:
+        problems = []
+        if self.ratio_to not in RATIO_DENOMINATORS:
+            problems.append(f"ratio_to={self.ratio_to!r}; valid: {list(RATIO_DENOMINATORS)}")
+        in_range = 0.0 <= self.clip_low <= 1.0 if self.allow_zero_bound else 0.0 <= self.clip_low < 1.0
+        if not in_range:
+            interval = "[0, 1]" if self.allow_zero_bound else "[0, 1)"
+            problems.append(f"clip_low={self.clip_low} must be in {interval} "
+                            "(the lower bound is 1 − clip_low)")
+        if self.clip_high < 0:
+            problems.append(f"clip_high={self.clip_high} must be ≥ 0")
+        return problems
+
+    @property
+    def accepts_token_weights(self) -> bool:
+        return self.ratio_to == "proximal"  # a ratio to μ is a behaviour correction of its own
+
+    def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return _grpo_rows(batch), {}
 
 
 @dataclass(frozen=True)
-class GSPO(ObjectiveBase):
+class GSPO(_RatioToOptions, ObjectiveBase):
     """GSPO: the PPO clip on the length-normalised *sequence* ratio, one decision per trajectory.
 
     s_i = exp((1/|M_i|) Σ_{t∈M_i} log π_θ(y_t) − log ν(y_t)) with ν = μ (`ratio_to='behavior'`) or π_old
@@ -337,16 +352,6 @@ class GSPO(ObjectiveBase):
     clip_low: float = 3e-4
     clip_high: float = 4e-4
     ratio_to: str = "behavior"
-
-    def _check_options(self) -> list[str]:
-        return _check_ratio_options(self.ratio_to, self.clip_low, self.clip_high, allow_zero_bound=False)
-
-    @property
-    def accepts_token_weights(self) -> bool:
-        return self.ratio_to == "proximal"  # a ratio to μ is a behaviour correction of its own
-
-    def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        return _grpo_rows(batch), {}
 
     def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
         mask = batch.loss_mask
@@ -379,7 +384,7 @@ def _masked_seq_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class CISPO(ObjectiveBase):
+class CISPO(_RatioToOptions, ObjectiveBase):
     """CISPO: REINFORCE with a clipped, detached token IS weight — every token keeps its gradient.
 
     loss_t = −sg[clip(r_t, 1 − ε_low, 1 + ε_high)] · A_i · log π_θ(y_t), r_t = π_θ(y_t)/ν(y_t) with ν = μ
@@ -393,20 +398,11 @@ class CISPO(ObjectiveBase):
     """
 
     name: ClassVar[str] = "cispo"
+    allow_zero_bound: ClassVar[bool] = True
     silent_degenerate_groups: ClassVar[bool] = True
     clip_low: float = 1.0
     clip_high: float = 0.28
     ratio_to: str = "behavior"
-
-    def _check_options(self) -> list[str]:
-        return _check_ratio_options(self.ratio_to, self.clip_low, self.clip_high, allow_zero_bound=True)
-
-    @property
-    def accepts_token_weights(self) -> bool:
-        return self.ratio_to == "proximal"  # a ratio to μ is a behaviour correction of its own
-
-    def _statistics(self, batch: PreparedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        return _grpo_rows(batch), {}
 
     def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
         mask = batch.loss_mask
