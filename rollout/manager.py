@@ -88,6 +88,13 @@ class GroupTicket:
     """The lag bound in force at admission: the group's lag is at most this (None: not admitted yet, or
     restored from a checkpoint written before the bound was recorded)."""
 
+    def lag_of(self, trajectory: Trajectory, version: int) -> int:
+        """A member's lag when the learner at `version` consumes it: from the version its first generation
+        started with, or — for a member that never reached the engine (no sampled token: a prompt already
+        over the token budget), whose trajectory has no version of its own — from its group's admission."""
+        start = trajectory.versions.start if trajectory.num_sampled_tokens > 0 else self.admitted_version
+        return version - start
+
 
 RunGroup = Callable[[GroupTicket], Awaitable[Sequence[Trajectory]]]
 """Runs the G episodes of one group and returns their trajectories (raises on failure)."""

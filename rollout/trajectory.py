@@ -35,7 +35,8 @@ class TrajectoryVersions(StrictFrozenModel):
     """Which policy versions produced the trajectory."""
 
     start: int = Field(ge=0)
-    """Version when its first generation started (lag at consumption = learner version − start)."""
+    """Version when its first generation started (lag at consumption = learner version − start); 0 when
+    nothing was generated (its lag is then its group's: `rollout.manager.GroupTicket.lag_of`)."""
     end: int = Field(ge=0)
     """Newest version that sampled any of its tokens (= start when nothing was sampled)."""
     per_token: tuple[int, ...] | None = None

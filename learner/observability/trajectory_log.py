@@ -44,7 +44,7 @@ class TrajectoryLog:
                 self._file.write(json.dumps({
                     "step": step, "group": ticket.group_index, "prompt_position": ticket.prompt_position,
                     "sample_id": trajectory.task.sample_id, "reward": trajectory.reward,
-                    "lag": version - trajectory.versions.start,
+                    "lag": ticket.lag_of(trajectory, version),
                     "versions": [trajectory.versions.start, trajectory.versions.end],
                     "turns": trajectory.task.turns, "tool_calls": trajectory.task.tool_calls,
                     "tool_errors": trajectory.task.tool_errors, "truncated": trajectory.task.is_truncated,

@@ -102,7 +102,7 @@ def step_input(
         for trajectory in members:
             trajectories.append(trajectory)
             group_ids.append(ticket.group_index)
-            lags.append(version - trajectory.versions.start)
+            lags.append(ticket.lag_of(trajectory, version))
             is_void = task.filters.mask_void_turns and trajectory.task.void_turns > 0
             is_cut = task.filters.remove_truncated and trajectory.task.is_truncated
             trained.append(not (is_void or is_cut))

@@ -13,7 +13,7 @@ from rollout.fakes import ScriptedEngine
 from rollout.manager import GroupTicket, RolloutFailed, RolloutManager
 from rollout.sim_clock import ClockSettings, SimulatedClock
 from rollout.trajectory import Trajectory, TrajectoryBuilder
-from rollout.types import GenerationRequest, SamplingParams
+from rollout.types import GenerationRequest, GenerationResult, SamplingParams
 
 GROUP_SIZE = 2
 
@@ -364,3 +364,19 @@ async def test_a_bound_lowered_mid_run_holds_on_the_timeline() -> None:
                     await manager.set_max_lag(1)
                 await manager.sync_weights([("w", torch.zeros(1))], step + 1)
     assert clock.state()["bounds"] == [4, 4, 4, 4, 1, 1, 1, 1, 1, 1, 1]
+
+
+def _sampled(token_ids: tuple[int, ...], version: int) -> GenerationResult:
+    return GenerationResult(request_id="r", token_ids=token_ids, logprobs=(-0.5,) * len(token_ids),
+                            versions=(version,) * len(token_ids), finish_reason="stop",
+                            version_start=version, version_end=version)
+
+
+def test_a_member_that_never_reached_the_engine_lags_from_its_groups_admission() -> None:
+    ticket = GroupTicket(group_index=3, batch_index=7, prompt_position=3, admitted_version=5)
+    never_generated = TrajectoryBuilder([1, 2, 3]).build("t0", "g3", reward=0.0)  # prompt over the budget
+    assert never_generated.num_sampled_tokens == 0 and never_generated.versions.start == 0
+    assert ticket.lag_of(never_generated, 7) == 2  # not 7: it has no version of its own
+    builder = TrajectoryBuilder([1, 2, 3])
+    builder.add_generation(_sampled((10, 11), version=6))
+    assert ticket.lag_of(builder.build("t1", "g3", reward=1.0), 7) == 1  # from its first generation
