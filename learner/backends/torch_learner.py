@@ -402,8 +402,8 @@ class TorchLearner:
                              group_ids: Tensor) -> Tensor | None:
         """(B,) bool: the members of groups whose gradient is exactly 0 whatever the weights, or None when the
         objective has no such groups. VCPO: the trajectories whose coefficients a_i, s_i are 0 (those the
-        objective does not keep, `advantage_divisor`: in the spec form the degenerate groups' members and
-        those without trained tokens; in the reference form only the latter). An objective whose loss is
+        objective does not keep, `advantage_divisor`: in the spec form the degenerate groups' members) or
+        that have no trained token (∇ℓ_i = 0). An objective whose loss is
         linear in a group-relative advantage (`silent_when_degenerate`: GRPO, the TIS family, ...): the
         members of degenerate groups, where every advantage is exactly 0. Grouped so a group is silent only
         when all its members are. They are packed apart and left out of the gradient pass (69–86% of the
@@ -414,13 +414,14 @@ class TorchLearner:
         # trained targets: positions 1.. of the loss mask (packing.build_microbatch), as `trained_counts`
         valid = torch.tensor([any(t.loss_mask[1:]) for t in tokens], dtype=torch.bool, device=self.device)
         groups = index_groups(group_ids)
+        # group statistics count every member with a finite reward, trained tokens or not (a filtered or
+        # rejected one too: vcpo/objectives/base.py, prepare_batch); the objective's members are a subset
+        # (it also drops non-finite log-probs), so a group degenerate here is degenerate there too
+        in_statistics = torch.isfinite(rewards)
         if self.objective.needs_grad_norms:
-            _, keep = self.objective.advantage_divisor(rewards, valid, groups)
+            _, keep = self.objective.advantage_divisor(rewards, in_statistics, groups)
+            keep = keep & valid
         elif self.objective.silent_when_degenerate:
-            # group statistics count every member with a finite reward, trained tokens or not (a filtered or
-            # rejected one too: vcpo/objectives/base.py, prepare_batch); the objective's members are a subset
-            # (it also drops non-finite log-probs), so a group degenerate here is degenerate there too
-            in_statistics = torch.isfinite(rewards)
             keep = valid & ~degenerate_groups(rewards, in_statistics, groups)[groups.index]
         else:
             return None
@@ -558,7 +559,10 @@ class TorchLearner:
         objective = self.objective
         log_w = full.seq_log_ratios()
         counts = full.trained_counts()
-        valid = counts > 0
+        # group statistics (σ_g, degeneracy, b*'s members) count every member with a finite reward, as the
+        # objective's own (vcpo/objectives/base.py, prepare_batch) and the authors' group advantages do; a
+        # member without trained tokens has ∇ℓ_i = 0, so it adds nothing to A − b*S and its ω_i is 0
+        valid = torch.isfinite(rewards)
         _, truncated = objective.sequence_weights(log_w)
         groups = index_groups(group_ids)
         # spec or reference form (vcpo/objectives/weighted.py): the objective owns every formula
@@ -573,7 +577,9 @@ class TorchLearner:
 
         live = [mb for mb, own in zip(full.microbatches, mine, strict=True)
                 if own and mb.target_positions.numel() > 0]
-        reward_coef, baseline_coef = coefs.reward_coef.float(), coefs.baseline_coef.float()
+        trained = counts > 0  # the others have no ∇ℓ_i (and no micro-batch): their coefficients are moot
+        reward_coef = coefs.reward_coef.float() * trained
+        baseline_coef = coefs.baseline_coef.float() * trained
         if self.data_parallel is not None:  # other ranks' trajectories: not in `live`, no coefficients
             packed = torch.zeros(full.size, dtype=torch.bool, device=self.device)
             for mb in live:

@@ -61,6 +61,39 @@ def _perturb_reference(learner: TorchLearner) -> None:
             p.add_(0.05 * torch.randn(p.shape, generator=generator))
 
 
+def _objective_grads(learner: TorchLearner, tokens: list[TrajectoryTokens], trajectories: list[Trajectory],
+                     groups: list[int], trained: list[bool] | None = None
+                     ) -> tuple[dict[str, torch.Tensor], PolicyLossInputs]:
+    """Autograd of the learner's objective at its model's weights with brute-force ‖∇ℓ_i‖²: the gradient
+    the learner's VCPO step must equal. An untrained member keeps its reward with an empty loss mask (and
+    counts in the seq-mean's B, as the learner's every objective counts it)."""
+    trained = trained or [True] * len(tokens)
+    model = learner.model
+    norms = []
+    for t, is_trained in zip(tokens, trained, strict=True):
+        if not is_trained:
+            norms.append(0.0)
+            continue
+        loglik = trajectory_loglik(model, t, "mean")
+        g = torch.autograd.grad(loglik, list(model.parameters()), allow_unused=True)
+        norms.append(sum(float((x.float() ** 2).sum()) for x in g if x is not None))
+    logprobs = _padded_logprobs(model, tokens)
+    mask = torch.zeros_like(logprobs, dtype=torch.bool)
+    behavior = torch.zeros_like(logprobs)
+    for i, t in enumerate(trajectories):
+        sampled = [lp for lp, m in zip(t.behavior_logprobs, t.loss_mask, strict=True) if m]
+        mask[i, : len(sampled)] = trained[i]
+        behavior[i, : len(sampled)] = torch.tensor(sampled)
+    ref = None if learner.reference is None else _padded_logprobs(learner.reference, tokens).detach()
+    inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=logprobs.detach(), behavior_logprobs=behavior,
+                              loss_mask=mask, rewards=torch.tensor([t.reward for t in trajectories]),
+                              group_ids=torch.tensor(groups), seq_sq_grad_norms=torch.tensor(norms),
+                              ref_logprobs=ref, num_units=float(len(tokens)))  # the learner's: every member
+    model.zero_grad(set_to_none=True)
+    learner.objective(inputs).loss.backward(retain_graph=True)
+    return {name: p.grad.clone() for name, p in model.named_parameters()}, inputs
+
+
 @pytest.mark.parametrize("micro_batch_tokens", [64, 4096])  # groups over several micro-batches / one
 @pytest.mark.parametrize(("grad_norm_path", "kl_coef"),
                          [("fast", 0.0), ("fast", 0.5), ("per_trajectory", 0.5)])
@@ -80,33 +113,11 @@ def test_vcpo_step_gradient_equals_autograd_of_the_objective_with_exact_norms(
     lags = [0] * len(tokens)
     learner.step(StepInput(trajectories, groups, lags, [True] * len(tokens)))
 
-    # reference: brute-force ‖∇ℓ_i‖² and one autograd pass through the VCPO objective
-    model = learner.model
-    norms = []
-    for t in tokens:
-        loglik = trajectory_loglik(model, t, "mean")
-        g = torch.autograd.grad(loglik, list(model.parameters()), allow_unused=True)
-        norms.append(sum(float((x.float() ** 2).sum()) for x in g if x is not None))
-    logprobs = _padded_logprobs(model, tokens)
-    width = logprobs.shape[1]
-    mask = torch.zeros_like(logprobs, dtype=torch.bool)
-    behavior = torch.zeros_like(logprobs)
-    for i, t in enumerate(trajectories):
-        sampled = [lp for lp, m in zip(t.behavior_logprobs, t.loss_mask, strict=True) if m]
-        mask[i, : len(sampled)] = True
-        behavior[i, : len(sampled)] = torch.tensor(sampled)
-    del width
-    ref = None if learner.reference is None else _padded_logprobs(learner.reference, tokens).detach()
-    inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=logprobs.detach(), behavior_logprobs=behavior,
-                              loss_mask=mask, rewards=torch.tensor([t.reward for t in trajectories]),
-                              group_ids=torch.tensor(groups), seq_sq_grad_norms=torch.tensor(norms),
-                              ref_logprobs=ref)
-    model.zero_grad(set_to_none=True)
-    learner.objective(inputs).loss.backward(retain_graph=True)
-    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    want, inputs = _objective_grads(learner, tokens, trajectories, groups)
     for name, grad in want.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
     if kl_coef > 0:  # the KL term is a real part of that gradient, not a rounding-sized one
+        model = learner.model
         model.zero_grad(set_to_none=True)
         dataclasses.replace(learner.objective, kl_coef=0.0)(inputs).loss.backward()
         moved = max(float((want[name] - p.grad).abs().max()) for name, p in model.named_parameters())
@@ -632,3 +643,26 @@ def test_a_group_alike_only_among_its_trained_members_keeps_its_gradient() -> No
     step = dataclasses.replace(step, is_trained=[True, True, True, False, True, True, True, True, True])
     algo = AlgoConfig.model_validate({"objective": {"type": "grpo"}, "group_size": 3})
     assert _learner(algo, micro_batch_tokens=8).step(step)["train/skipped_groups"] == 0
+
+
+@pytest.mark.parametrize("form", ["spec", "reference"])
+def test_vcpo_counts_an_untrained_member_in_its_groups_statistics(form: str) -> None:
+    """As the objective and the authors' group advantages do, σ_g and degeneracy count an untrained member:
+    group 0 scores 1, 0, 0 with the 1 untrained (its trained members alike, yet not a degenerate group: the
+    spec form gives them a gradient), group 1 scores 1, 0, 1 with a 1 untrained (σ_g over three, not two:
+    both forms). The learner's step equals autograd of the objective with those members' masks empty."""
+    tokens = random_trajectories(num_groups=3, per_group=3, seed=1)
+    trajectories, groups = _as_trajectories(tokens)
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+    trajectories = [t.model_copy(update={"reward": r}) for t, r in zip(trajectories, rewards, strict=True)]
+    trained = [i not in (0, 3) for i in range(len(tokens))]
+    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo", "is_cap": 2.0, "opob": {"form": form}},
+                                      "group_size": 3})
+    learner = _learner(algo)
+    grads = capture_grads(learner)
+    metrics = learner.step(StepInput(trajectories, groups, [0] * len(tokens), trained))
+    assert metrics["train/skipped_groups"] == 0
+    want, _ = _objective_grads(learner, tokens, trajectories, groups, trained)
+    for name, grad in want.items():  # relative to each gradient's size: the spec form's are ~1e-7
+        tolerance = 1e-4 * float(grad.abs().max())
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=tolerance, msg=name)
