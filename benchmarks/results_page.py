@@ -67,7 +67,8 @@ def staleness_ten_seeds(data: dict[str, Any]) -> str:
 def staleness_matrix(data: dict[str, Any]) -> str:
     """Per method that ran: its final success at every lag (mean ± 95% interval over seeds), its retention at
     each lag > 0 (marked where the seeds resolve "loses more than 5%" either way) and the median ESS ratio
-    there. One numerics only (the file's first); methods not run are left out."""
+    there. One numerics only (the file's first); cells not run are left out (a dash where a method ran at
+    some lags only)."""
     ran = [e for e in data["summary"] if e["status"] == "ok"]
     numerics = ran[0]["numerics"]
     ran = [e for e in ran if e["numerics"] == numerics]
@@ -81,7 +82,8 @@ def staleness_matrix(data: dict[str, Any]) -> str:
               f"ESS median at k = {at}"]
     lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
     for method in dict.fromkeys(e["method"] for e in ran):
-        row = [f"{STALENESS_LABELS.get(method, method)} ({_lr(cells[(method, lags[-1])]['lr'])})"]
+        lr = next(cells[(method, lag)]["lr"] for lag in lags if (method, lag) in cells)
+        row = [f"{STALENESS_LABELS.get(method, method)} ({_lr(lr)})"]
         row += [mean_ci_text(cells[(method, lag)]) if (method, lag) in cells else "—" for lag in lags]
         retained = []
         for lag in later:
