@@ -263,6 +263,11 @@ def summarize_curves(curves: dict[str, list[float | None]], collapse_fraction: f
 # Stored runs: an interrupted matrix resumes
 
 
+def settings_digest(decided_by: dict[str, Any]) -> str:
+    """12 hex digits naming everything in `decided_by` (JSON with sorted keys): the key of a stored row."""
+    return hashlib.sha256(json.dumps(decided_by, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def _run_name(method: StalenessMethodConfig, lag: int, seed: int, numerics: str) -> str:
     return f"{method.name}-lr{method.lr:g}-k{lag}-s{seed}-{numerics}"
 
@@ -282,8 +287,7 @@ def run_key(bench: StalenessBenchConfig, job: Job, weights: str) -> str:
         decided_by["timed"] = {"clock": bench.clock.model_dump(exclude={"seed"}),
                                "eval_every": bench.eval_every,
                                **({"auto_lag": bench.auto_lag.model_dump()} if lag == "auto" else {})}
-    digest = hashlib.sha256(json.dumps(decided_by, sort_keys=True).encode()).hexdigest()[:12]
-    return f"{_run_name(method, lag, seed, numerics)}-{digest}"
+    return f"{_run_name(method, lag, seed, numerics)}-{settings_digest(decided_by)}"
 
 
 def policy_store(bench: StalenessBenchConfig) -> Path:

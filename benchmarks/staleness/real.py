@@ -46,6 +46,7 @@ from benchmarks.staleness.bench import (
     plot_staleness,
     results_dir,
     retention_table,
+    settings_digest,
     summarize_curves,
     summary_table,
 )
@@ -121,8 +122,7 @@ def run_key(bench: StalenessRealBenchConfig, job: Job, repo_root: Path) -> str:
                   "steps": bench.steps, "groups_per_step": bench.groups_per_step,
                   "group_size": bench.group_size, "eval_samples": bench.eval_samples,
                   "algo": method.algo, "lr": method.lr, "lag": lag, "seed": seed}
-    digest = hashlib.sha256(json.dumps(decided_by, sort_keys=True).encode()).hexdigest()[:12]
-    return f"{run_name(job)}-{digest}"
+    return f"{run_name(job)}-{settings_digest(decided_by)}"
 
 
 def start_store(bench: StalenessRealBenchConfig, seed: int, weights: str, repo_root: Path) -> Path:
@@ -131,8 +131,7 @@ def start_store(bench: StalenessRealBenchConfig, seed: int, weights: str, repo_r
     that a run never reuses an evaluation made with other settings."""
     decided_by = {"run_config": (repo_root / bench.run_config).read_text(), "overrides": bench.overrides,
                   "eval_samples": bench.eval_samples, "seed": seed, "weights": weights}
-    digest = hashlib.sha256(json.dumps(decided_by, sort_keys=True).encode()).hexdigest()[:12]
-    return results_dir(bench) / START_DIR / f"seed_{seed}-{digest}.jsonl"
+    return results_dir(bench) / START_DIR / f"seed_{seed}-{settings_digest(decided_by)}.jsonl"
 
 
 def run_overrides(bench: StalenessRealBenchConfig, job: Job, policy: Path, run_dir: Path) -> list[str]:
