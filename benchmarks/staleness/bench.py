@@ -111,8 +111,13 @@ def prepare(bench: StalenessBenchConfig, root: Path) -> tuple[Path, Path]:
 
 
 def policy_digest(model_dir: Path) -> str:
-    """The pre-taught policy's weights, hashed: a stored run is reused only on the very same policy."""
-    return hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()[:12]
+    """The starting policy's weights, hashed (read in blocks: a real model's file is ~0.5 GB): a stored run
+    is reused only on the very same policy."""
+    digest = hashlib.sha256()
+    with open(model_dir / "model.safetensors", "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()[:12]
 
 
 def success_probability(model_dir: Path, bench: StalenessBenchConfig) -> float:

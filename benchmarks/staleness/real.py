@@ -23,7 +23,6 @@ tables, retention and plots are the synthetic preset's (benchmarks/staleness/ben
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import resource
@@ -44,6 +43,7 @@ from benchmarks.staleness.bench import (
     compact_summary,
     matrix_tables,
     plot_staleness,
+    policy_digest,
     results_dir,
     retention_table,
     settings_digest,
@@ -84,15 +84,6 @@ def prepare_policy(bench: StalenessRealBenchConfig, repo_root: Path, cache_dir: 
     task, task_path = load_task(config.task, config.task_overrides,
                                 relative_to=(repo_root / bench.run_config).parent)
     return run_warm_start(config, task, task_path, cache_dir, progress)
-
-
-def weights_digest(model_dir: Path) -> str:
-    """The starting policy's weights, hashed: a stored run is reused only on the very same policy."""
-    digest = hashlib.sha256()
-    with open(model_dir / "model.safetensors", "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()[:12]
 
 
 def matrix_jobs(bench: StalenessRealBenchConfig) -> list[Job]:
@@ -230,7 +221,7 @@ def run_real_staleness_bench(bench: StalenessRealBenchConfig, repo_root: Path, c
     policy = weights = None
     if bench.run:
         policy = prepare_policy(bench, repo_root, cache_dir, progress)
-        weights = weights_digest(policy)
+        weights = policy_digest(policy)
     jobs = matrix_jobs(bench)
     rows: list[dict[str, Any]] = []
     for number, job in enumerate(jobs, 1):
