@@ -32,6 +32,7 @@ log-probs are random near the model's), or measure weight sync.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import resource
@@ -53,6 +54,8 @@ from learner.forward.logprobs import native_bf16
 from learner.launch.host import host_description
 from learner.train.build import learner_device
 from rollout.trajectory import Trajectory, TrajectoryVersions
+
+log = logging.getLogger(__name__)
 
 
 def write_random_checkpoint(shape: BenchShape, out_dir: Path, seed: int = 0) -> Path:
@@ -189,15 +192,20 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
     torch_dtype = getattr(torch, dtype)
     with tempfile.TemporaryDirectory(prefix="vcpo-bench-learner-") as tmp:
         hf_dir = write_random_checkpoint(shape, Path(tmp) / "model", seed)
+        built = time.perf_counter()
         learner = _build(backend, hf_dir, device, algo, torch_dtype, micro_batch_tokens,
                          megatron or MegatronConfig(), proximal, share_prompts, fused_elementwise)
+        # progress on stderr (`vcpo -v`): a bench cut at a time limit writes no JSON, its log says where
+        log.info("%s: learner built in %.1f s", backend, time.perf_counter() - built)
     step_input = random_batch(batch, shape.vocab_size, seed)
     matmul_dtype = "bfloat16" if backend == "torch-autocast" else dtype
     matmul_dtypes = dict.fromkeys([matmul_dtype, dtype])
     peaks_before = {name: matmul_peak_gflops(getattr(torch, name), device, peak_gemm_size)
                     for name in matmul_dtypes}
-    for _ in range(warmup):
+    for index in range(warmup):
+        started = time.perf_counter()
         learner.step(step_input)
+        log.info("%s: warm-up step %d took %.2f s", backend, index, time.perf_counter() - started)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -208,6 +216,7 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
+        log.info("%s: timed step %d took %.3f s", backend, len(times) - 1, times[-1])
         for name in PHASES:
             phases[name].append(float(metrics.get(name, math.nan)))
     tokens = batch.groups * batch.group_size * batch.tokens

@@ -170,7 +170,8 @@ def _train_argv(name: str, extra: list[str], rehearse_steps: int) -> Callable[[P
 def _learner_argv(dtype: str, backends: str, name: str) -> Callable[[Path, bool], list[str]]:
     def argv(work: Path, rehearse: bool) -> list[str]:
         sizes = _TINY_LEARNER if rehearse else ["peak_gemm_size=8192"]
-        return _vcpo("bench", "learner", "--config", "benchmarks/configs/learner.yaml",
+        # -v: the bench logs each step, so a part cut at its limit still says how far it got
+        return _vcpo("-v", "bench", "learner", "--config", "benchmarks/configs/learner.yaml",
                      f"device={'cpu' if rehearse else 'cuda'}", f"dtype={dtype}", f"backends={backends}",
                      *sizes, "--out", str(work / f"{name}.json"))
     return argv
@@ -224,11 +225,11 @@ PARTS = [
                                                      "rollout.max_lag=0", "learner.autocast=none"], 1)
          , lambda work, rehearse: _train_summary(work, rehearse, "lag0")),
     Part("staleness_tiny", 90, _staleness_argv, _staleness_summary),
-    Part("bench_megatron_bf16", 120, _learner_argv("bfloat16", "[megatron]", "megatron_bf16"),
+    Part("bench_megatron_bf16", 150, _learner_argv("bfloat16", "[megatron]", "megatron_bf16"),
          lambda work, rehearse: _learner_summary(work, rehearse, "megatron_bf16")),
-    Part("bench_learner_fp32", 60, _learner_argv("float32", "[torch,torch-autocast]", "learner_fp32"),
+    Part("bench_learner_fp32", 100, _learner_argv("float32", "[torch,torch-autocast]", "learner_fp32"),
          lambda work, rehearse: _learner_summary(work, rehearse, "learner_fp32")),
-    Part("bench_opob_fp32", 45, _opob_argv("float32"),
+    Part("bench_opob_fp32", 75, _opob_argv("float32"),
          lambda work, rehearse: _opob_summary(work, rehearse, "opob_float32")),
 ]
 

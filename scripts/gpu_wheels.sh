@@ -35,6 +35,7 @@ WHEELS=(
   math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
   pytest-asyncio==1.5.0
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 )
 PIP=${PIP:-.venv/bin/pip}
 dest=.gpu/wheels-cp${PYVER/./}

@@ -5,8 +5,11 @@ carried wheels, no network) is `bash scripts/gpu_check.sh --rehearse` (minutes; 
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +37,7 @@ def gpu_check() -> ModuleType:
 
 def _config_and_overrides(argv: list[str]) -> tuple[str, Path, list[str]]:
     """(command, config file, overrides) of a `python -m cli train|bench ...` command line."""
-    args = argv[argv.index("cli") + 1:]
+    args = [arg for arg in argv[argv.index("cli") + 1:] if arg not in ("-v", "--verbose")]
     if "--out" in args:
         at = args.index("--out")
         del args[at:at + 2]
@@ -86,3 +89,58 @@ def test_an_unknown_part_is_refused_with_the_known_ones(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), "--parts", "nope", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "unknown parts ['nope']" in done.stderr and "train_default" in done.stderr
+
+
+PRODUCT_PACKAGES = ("agent_env", "benchmarks", "cli", "configs", "learner", "rollout", "tools", "vcpo")
+
+
+def _module_level_imports(package: str) -> dict[str, str]:
+    """Top-level third-party module → one file importing it at module level (what `import vcpo…` needs)."""
+    found: dict[str, str] = {}
+    for path in sorted((REPO / package).rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in (*PRODUCT_PACKAGES, "__future__"):
+                    found.setdefault(top, str(path.relative_to(REPO)))
+    return found
+
+
+def _normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _travelling_or_on_the_image() -> set[str]:
+    """The distributions gpu_wheels.sh carries (WHEELS) and those its --base stand-in lists as the image's."""
+    script = (REPO / "scripts" / "gpu_wheels.sh").read_text()
+    wheels = re.search(r"^WHEELS=\((.*?)^\)", script, re.S | re.M)
+    base = re.search(r"base-venv/bin/pip install -q --disable-pip-version-check (.*?)\n\s*fi", script, re.S)
+    assert wheels and base, "scripts/gpu_wheels.sh: the WHEELS list or the --base install line moved"
+    names = (wheels.group(1) + " " + base.group(1).replace("\\", " ")).split()
+    return {_normalised(re.split(r"[=<>]", name)[0]) for name in names if not name.startswith("#")}
+
+
+def test_every_module_level_import_travels_to_the_gpu_or_is_on_its_image() -> None:
+    """A module-level import of a package the GPU machine lacks fails every part at import there (as a new
+    dependency once did): each must be carried by gpu_wheels.sh or be on the image."""
+    have = _travelling_or_on_the_image()
+    distributions = importlib.metadata.packages_distributions()
+    missing = []
+    for package in PRODUCT_PACKAGES:
+        for module, path in _module_level_imports(package).items():
+            names = {_normalised(name) for name in distributions.get(module, [module])}
+            if not names & have:
+                missing.append(f"{module} ({path})")
+    assert not missing, f"add to scripts/gpu_wheels.sh's WHEELS (or --base, if the image has it): {missing}"
+
+
+def test_the_import_check_reads_both_lists() -> None:
+    have = _travelling_or_on_the_image()
+    assert {"jsonschema", "torch", "pyyaml", "megatron-core"} <= have
+    assert "vllm" not in have  # not carried: the check would flag a module-level vllm import
