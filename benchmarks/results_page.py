@@ -106,8 +106,8 @@ def staleness_matrix(data: dict[str, Any]) -> str:
 
 def _gpu_part_figure(name: str, result: dict[str, Any]) -> str:
     """The one figure a reader wants from each part of the GPU check."""
-    if not result:
-        return "nothing written before its limit"
+    if not result or all(value is None for value in result.values()):
+        return "nothing written"
     if name == "env":
         peaks = result.get("matmul_peak_gflops", {})
         return (f"{result.get('gpu')}, torch {result.get('torch')}; matmul peak bf16 "
@@ -121,7 +121,7 @@ def _gpu_part_figure(name: str, result: dict[str, Any]) -> str:
         return f"{result['n_passed']} passed, {result['n_failed']} failed, {result['n_skipped']} skipped"
     if name.startswith("bench_opob"):
         return f"{len(result['rows'])} rows, peak memory {result['peak_memory_mib'] / 1024:.1f} GiB"
-    if name.startswith("bench_learner"):
+    if name.startswith(("bench_learner", "bench_megatron")):
         return ", ".join(f"{backend}: {row.get('step_s_mean', float('nan')):.2f} s per step"
                          for backend, row in result.items() if isinstance(row, dict) and "step_s_mean" in row)
     if name == "staleness_tiny":
@@ -134,9 +134,17 @@ def gpu_check_parts(data: dict[str, Any]) -> str:
     """Every part of every call of the GPU check: its status, wall time and its figure."""
     lines = ["| call | part | status | wall | figure |", "| ---: | --- | --- | ---: | --- |"]
     for number, call in enumerate(data["calls"], start=1):
+        rows: list[tuple[list[str], str, list[float], str]] = []
         for name, part in call["parts"].items():
-            lines.append(f"| {number} | {name} | {part['status']} | {part['wall_s']:.0f} s | "
-                         f"{_gpu_part_figure(name, part.get('result') or {})} |")
+            figure = _gpu_part_figure(name, part.get("result") or {})
+            if rows and rows[-1][1] == part["status"] and rows[-1][3] == figure == "nothing written":
+                rows[-1][0].append(name)  # parts that failed alike, one row
+                rows[-1][2].append(part["wall_s"])
+            else:
+                rows.append(([name], part["status"], [part["wall_s"]], figure))
+        for names, status, walls, figure in rows:
+            wall = f"{walls[0]:.0f} s" if len(walls) == 1 else f"{max(walls):.0f} s each at most"
+            lines.append(f"| {number} | {', '.join(names)} | {status} | {wall} | {figure} |")
     return "\n".join(lines) + "\n"
 
 
