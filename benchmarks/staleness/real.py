@@ -16,7 +16,8 @@ all of them, and placed into every later run of it before it starts, where the t
 and reuses it. A start with other settings finds no file and evaluates for itself.
 
 Finished runs are stored as small JSON rows in `results_dir` keyed by everything that decides them (the
-run config and overrides, the warm-started weights' digest, the method, lr, k, seed, steps, batch); an
+run config and overrides, the method, lr, k, seed, steps, batch), each recording its starting weights'
+digest: a seed's runs share one start (`seed_starts`: hosts' warm starts differ in their last bits); an
 interrupted run resumes from its newest checkpoint, an interrupted matrix from its stored rows. The
 tables, retention and plots are the synthetic preset's (benchmarks/staleness/bench.py).
 """
@@ -223,19 +224,24 @@ def run_real_staleness_bench(bench: StalenessRealBenchConfig, repo_root: Path, c
         policy = prepare_policy(bench, repo_root, cache_dir, progress)
         weights = policy_digest(policy)
     jobs = matrix_jobs(bench)
+    starts = seed_starts(results_dir(bench))
     rows: list[dict[str, Any]] = []
     for number, job in enumerate(jobs, 1):
         key = run_key(bench, job, repo_root)
         stored = _stored(results_dir(bench), key)
-        if stored is not None and weights is not None and stored.get("weights") != weights:
-            progress(f"[bench staleness] {key}: stored on other starting weights ({stored.get('weights')}, "
-                     f"now {weights}); trained again")
-            stored = None
         if stored is not None:
             rows.append({**stored, "reused": True})
             continue
         if policy is None or weights is None:
             continue  # run: false — the cell shows as not run
+        seed = job[2]
+        if starts.get(seed, weights) != weights:
+            progress(f"[bench staleness] {run_name(job)}: not run here — seed {seed}'s stored runs started "
+                     f"from weights {starts[seed]}, this machine's warm start gives {weights} (hosts' "
+                     f"numerics differ); run it where the warm start gives {starts[seed]}, or remove seed "
+                     f"{seed}'s rows to rerun the seed whole")
+            continue
+        starts[seed] = weights
         run_dir = root / "runs" / run_name(job)
         progress(f"[bench staleness] {number}/{len(jobs)} {run_name(job)}: training "
                  f"(log {run_dir / 'bench.log'})")
@@ -250,11 +256,39 @@ def run_real_staleness_bench(bench: StalenessRealBenchConfig, repo_root: Path, c
                    "lr": method.lr, "error": f"{type(exc).__name__}: {exc}"}
             progress(f"[bench staleness] {run_name(job)}: {row['error']}")
         rows.append(row)
-    digests = sorted({r["weights"] for r in rows if "weights" in r})
-    if len(digests) > 1:
-        raise ValueError(f"{results_dir(bench)}: the stored runs started from different weights {digests}; "
-                         "a matrix compares runs from one starting policy — remove the stale rows")
+    per_seed = _weights_per_seed(rows)
+    mixed = {seed: digests for seed, digests in per_seed.items() if len(digests) > 1}
+    if mixed:
+        raise ValueError(f"{results_dir(bench)}: runs of one seed started from different weights {mixed}; "
+                         "a seed's runs share one starting policy — remove the stale rows")
     return summarize(bench, rows, root, time.perf_counter() - started)
+
+
+def _weights_per_seed(rows: list[dict[str, Any]]) -> dict[int, list[str]]:
+    found: dict[int, set[str]] = {}
+    for row in rows:
+        if "weights" in row and "seed" in row:
+            found.setdefault(int(row["seed"]), set()).add(row["weights"])
+    return {seed: sorted(digests) for seed, digests in sorted(found.items())}
+
+
+def seed_starts(directory: Path) -> dict[int, str]:
+    """Each seed's starting weights, as its stored runs record them. The warm start is deterministic on one
+    kind of host but not across hosts (their bf16 kernels round differently), so a seed — its runs at every
+    method and k, and its starting evaluation — is the unit that shares one starting policy; different seeds
+    may start from different hosts' warm starts, like any other per-seed randomness."""
+    rows = []
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        try:
+            rows.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue  # a torn row is run again
+    per_seed = _weights_per_seed(rows)
+    mixed = {seed: digests for seed, digests in per_seed.items() if len(digests) > 1}
+    if mixed:
+        raise ValueError(f"{directory}: runs of one seed started from different weights {mixed}; "
+                         "a seed's runs share one starting policy — remove the stale rows")
+    return {seed: digests[0] for seed, digests in per_seed.items()}
 
 
 def summarize(bench: StalenessRealBenchConfig, rows: list[dict[str, Any]], root: Path,
@@ -266,7 +300,7 @@ def summarize(bench: StalenessRealBenchConfig, rows: list[dict[str, Any]], root:
     result: dict[str, Any] = {
         "benchmark": "staleness", "mode": "matrix", "preset": "real", "config": bench.model_dump(mode="json"),
         "score": "held-out success (the task's held-out prompts, sampled as the rollouts are)",
-        "weights": next((r["weights"] for r in good), None),
+        "weights_per_seed": {str(seed): digests[0] for seed, digests in _weights_per_seed(good).items()},
         "initial_success": initial,
         "initial_success_per_seed": {str(s): v for s, v in sorted(starts.items())},
         "properties": properties(bench, good), "runs": _sorted(bench, rows),
@@ -276,7 +310,8 @@ def summarize(bench: StalenessRealBenchConfig, rows: list[dict[str, Any]], root:
     (root / "result.json").write_text(json.dumps(result, indent=1, allow_nan=True))
     (root / "summary.md").write_text(format_real_summary(result))
     compact = compact_summary(result)
-    compact.update(preset="real", weights=result["weights"], initial_success=initial, cpu_s=result["cpu_s"],
+    compact.update(preset="real", weights_per_seed=result["weights_per_seed"], initial_success=initial,
+                   cpu_s=result["cpu_s"],
                    initial_success_per_seed=result["initial_success_per_seed"])
     (root / "summary.json").write_text(json.dumps(compact, indent=1, allow_nan=True))
     try:

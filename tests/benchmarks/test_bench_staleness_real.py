@@ -1,7 +1,7 @@
 """`vcpo bench staleness` on a real model (benchmarks/staleness/real.py): each run a real `vcpo train`
 process (here the tiny random model, HF engine, generated Countdown) at exactly lag min(k, step); the
-starting evaluation made once per seed and reused; stored rows reused on a rerun and checked against the
-starting weights; the summary recomputed from the rows alone; the shipped preset valid and within its
+starting evaluation made once per seed and reused; stored rows reused on a rerun, a seed's runs sharing
+one starting policy; the summary recomputed from the rows alone; the shipped preset valid and within its
 sizing rule; and the committed summary equal to what its committed rows give."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_each_run_is_a_real_vcpo_train_at_exact_lags_and_a_rerun_reuses_the_rows
     assert {(r["method"], r["lag"]) for r in result["retention"]} == {(m, 2) for m in scored}  # ÷ k = 0
     assert (tmp_path / "bench" / "summary.md").read_text().startswith("real model,")
     written = json.loads((tmp_path / "bench" / "summary.json").read_text())
-    assert written["preset"] == "real" and written["weights"] == runs[("grpo", 0)]["weights"]
+    assert written["preset"] == "real" and written["weights_per_seed"] == {"0": runs[("grpo", 0)]["weights"]}
 
     again = run_real_staleness_bench(bench, ROOT, tmp_path / "cache", progress=lines.append)
     assert all(row.get("reused") for row in again["runs"])  # nothing trained twice
@@ -99,31 +99,48 @@ def test_a_starting_evaluation_is_reused_only_under_the_settings_that_made_it(tm
     assert len({same, *others}) == 1 + len(others)
 
 
-def test_a_stored_row_from_other_starting_weights_is_not_reused(tmp_path: Path) -> None:
+def test_a_seed_keeps_the_starting_weights_of_its_stored_runs(tmp_path: Path) -> None:
+    """Another host's warm start differs in its last bits: a seed whose runs started elsewhere keeps its
+    stored runs and leaves its missing cells to a host that gives its weights; a new seed starts here."""
     from benchmarks.staleness import real as staleness_real
 
     config = _tiny_run_config(tmp_path, tmp_path)
-    bench = _bench(tmp_path, config, lags=[0], only=["grpo"])
-    job = matrix_jobs(bench)[0]
+    bench = _bench(tmp_path, config, lags=[0, 2], only=["grpo"], seeds=[0, 1])
+    jobs = {(lag, seed): job for job in matrix_jobs(bench) for _, lag, seed in [job]}
     results = tmp_path / "bench" / "results"
     results.mkdir(parents=True)
-    (results / f"{run_key(bench, job, ROOT)}.json").write_text(json.dumps({"weights": "old", "lag": 0}))
-    trained: list[str] = []
+    stored = {"weights": "elsewhere", "method": "grpo", "lr": 1e-4, "lag": 0, "seed": 0, "error": "elsewhere"}
+    (results / f"{run_key(bench, jobs[(0, 0)], ROOT)}.json").write_text(json.dumps(stored))
+    trained: list[tuple[int, int]] = []
 
-    def fake_run_one(*args: object, **kwargs: object) -> dict[str, object]:
-        trained.append("run")
+    def fake_run_one(bench_: object, job: tuple[object, int, int], *args: object, **kwargs: object) -> dict:
+        trained.append((job[1], job[2]))
         raise RuntimeError("stop here")
 
     policy = tmp_path / "policy"
     policy.mkdir()
-    (policy / "model.safetensors").write_bytes(b"new weights")
+    (policy / "model.safetensors").write_bytes(b"this host's weights")
     lines: list[str] = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(staleness_real, "prepare_policy", lambda *a, **k: policy)
         patch.setattr(staleness_real, "run_one", fake_run_one)
         result = run_real_staleness_bench(bench, ROOT, tmp_path / "cache", progress=lines.append)
-    assert trained == ["run"] and any("other starting weights" in line for line in lines)
-    assert result["runs"][0]["error"] == "RuntimeError: stop here"  # kept as a row; the matrix goes on
+    assert trained == [(0, 1), (2, 1)]  # seed 1 starts here; seed 0's k = 2 waits for its own weights
+    assert any("seed 0's stored runs started from weights elsewhere" in line for line in lines)
+    assert [run.get("reused") for run in result["runs"] if run["seed"] == 0] == [True]
+    assert all(run["error"] == "RuntimeError: stop here" for run in result["runs"] if run["seed"] == 1)
+
+
+def test_runs_of_one_seed_from_two_starting_weights_are_refused(tmp_path: Path) -> None:
+    config = _tiny_run_config(tmp_path, tmp_path)
+    bench = _bench(tmp_path, config, lags=[0, 2], only=["grpo"], seeds=[0], run=False)
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    for job, weights in zip(matrix_jobs(bench), ["w1", "w2"], strict=True):
+        row = {"weights": weights, "method": "grpo", "lr": 1e-4, "lag": job[1], "seed": 0, "error": "x"}
+        (results / f"{run_key(bench, job, ROOT)}.json").write_text(json.dumps(row))
+    with pytest.raises(ValueError, match=r"one seed started from different weights \{0: \['w1', 'w2'\]\}"):
+        run_real_staleness_bench(bench, ROOT, tmp_path / "cache")
 
 
 def test_the_shipped_preset_is_valid_picked_by_kind_and_sized_by_the_rule() -> None:
