@@ -256,39 +256,36 @@ def run_real_staleness_bench(bench: StalenessRealBenchConfig, repo_root: Path, c
                    "lr": method.lr, "error": f"{type(exc).__name__}: {exc}"}
             progress(f"[bench staleness] {run_name(job)}: {row['error']}")
         rows.append(row)
-    per_seed = _weights_per_seed(rows)
-    mixed = {seed: digests for seed, digests in per_seed.items() if len(digests) > 1}
-    if mixed:
-        raise ValueError(f"{results_dir(bench)}: runs of one seed started from different weights {mixed}; "
-                         "a seed's runs share one starting policy — remove the stale rows")
     return summarize(bench, rows, root, time.perf_counter() - started)
 
 
-def _weights_per_seed(rows: list[dict[str, Any]]) -> dict[int, list[str]]:
+def _weights_per_seed(rows: list[dict[str, Any]], where: Path | str) -> dict[int, str]:
+    """Each seed's starting weights digest; a seed whose rows name two is refused."""
     found: dict[int, set[str]] = {}
     for row in rows:
         if "weights" in row and "seed" in row:
             found.setdefault(int(row["seed"]), set()).add(row["weights"])
-    return {seed: sorted(digests) for seed, digests in sorted(found.items())}
+    mixed = {seed: sorted(digests) for seed, digests in found.items() if len(digests) > 1}
+    if mixed:
+        raise ValueError(f"{where}: runs of one seed started from different weights {mixed}; "
+                         "a seed's runs share one starting policy — remove the stale rows")
+    return {seed: next(iter(digests)) for seed, digests in sorted(found.items())}
 
 
 def seed_starts(directory: Path) -> dict[int, str]:
     """Each seed's starting weights, as its stored runs record them. The warm start is deterministic on one
     kind of host but not across hosts (their bf16 kernels round differently), so a seed — its runs at every
     method and k, and its starting evaluation — is the unit that shares one starting policy; different seeds
-    may start from different hosts' warm starts, like any other per-seed randomness."""
+    may start from different hosts' warm starts, like any other per-seed randomness. Every stored row is read
+    (not only the selected cells'), so a partial rerun (`only=…`, `seeds=…`) keeps to its seeds' starts; the
+    rows a run then reuses or adds keep to them too, so the matrix's rows need no second check."""
     rows = []
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
         try:
             rows.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):
             continue  # a torn row is run again
-    per_seed = _weights_per_seed(rows)
-    mixed = {seed: digests for seed, digests in per_seed.items() if len(digests) > 1}
-    if mixed:
-        raise ValueError(f"{directory}: runs of one seed started from different weights {mixed}; "
-                         "a seed's runs share one starting policy — remove the stale rows")
-    return {seed: digests[0] for seed, digests in per_seed.items()}
+    return _weights_per_seed(rows, directory)
 
 
 def summarize(bench: StalenessRealBenchConfig, rows: list[dict[str, Any]], root: Path,
@@ -300,7 +297,7 @@ def summarize(bench: StalenessRealBenchConfig, rows: list[dict[str, Any]], root:
     result: dict[str, Any] = {
         "benchmark": "staleness", "mode": "matrix", "preset": "real", "config": bench.model_dump(mode="json"),
         "score": "held-out success (the task's held-out prompts, sampled as the rollouts are)",
-        "weights_per_seed": {str(seed): digests[0] for seed, digests in _weights_per_seed(good).items()},
+        "weights_per_seed": {str(seed): digest for seed, digest in _weights_per_seed(good, root).items()},
         "initial_success": initial,
         "initial_success_per_seed": {str(s): v for s, v in sorted(starts.items())},
         "properties": properties(bench, good), "runs": _sorted(bench, rows),
@@ -311,8 +308,7 @@ def summarize(bench: StalenessRealBenchConfig, rows: list[dict[str, Any]], root:
     (root / "summary.md").write_text(format_real_summary(result))
     compact = compact_summary(result)
     compact.update(preset="real", weights_per_seed=result["weights_per_seed"], initial_success=initial,
-                   cpu_s=result["cpu_s"],
-                   initial_success_per_seed=result["initial_success_per_seed"])
+                   cpu_s=result["cpu_s"], initial_success_per_seed=result["initial_success_per_seed"])
     (root / "summary.json").write_text(json.dumps(compact, indent=1, allow_nan=True))
     try:
         result["plots"] = [str(p) for p in plot_staleness(result, root)]
