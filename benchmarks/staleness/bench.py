@@ -499,8 +499,16 @@ def mean_interval(values: list[float]) -> tuple[float, float | None, float | Non
     return mean, sd, T_975.get(len(values) - 1, 1.96) * sd / math.sqrt(len(values))
 
 
-def summary_table(bench: StalenessMatrixConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (method, k, numerics): means over seeds; methods not run keep their rows."""
+def reward_collapsed(row: dict[str, Any]) -> bool:
+    """The synthetic preset's collapse: the training reward's trailing mean fell below `collapse_fraction`
+    of its start, or the loss / grad norm went non-finite (`collapse_step`)."""
+    return row["collapse_step"] is not None
+
+
+def summary_table(bench: StalenessMatrixConfig, rows: list[dict[str, Any]],
+                  collapsed: Callable[[dict[str, Any]], bool] = reward_collapsed) -> list[dict[str, Any]]:
+    """One row per (method, k, numerics): means over seeds; methods not run keep their rows. `collapsed`
+    decides which runs the row counts as collapsed (`collapsed_runs`)."""
     table = []
     for method in bench.methods:
         lr = bench.common_lr or method.lr
@@ -527,9 +535,10 @@ def summary_table(bench: StalenessMatrixConfig, rows: list[dict[str, Any]]) -> l
                     mean, sd, half = mean_interval(finals)
                     entry.update(final_success=mean, final_success_sd=sd, final_success_ci95=half,
                                  final_success_per_seed=finals)
-                    collapsed = [r["collapse_step"] for r in good if r["collapse_step"] is not None]
-                    entry["collapsed_runs"] = len(collapsed)
-                    entry["collapse_step_min"] = min(collapsed) if collapsed else None
+                    fallen = [r for r in good if collapsed(r)]
+                    steps = [r["collapse_step"] for r in fallen if r.get("collapse_step") is not None]
+                    entry["collapsed_runs"] = len(fallen)
+                    entry["collapse_step_min"] = min(steps) if steps else None
                 table.append(entry)
     return table
 

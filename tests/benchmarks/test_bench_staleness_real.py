@@ -143,6 +143,24 @@ def test_runs_of_one_seed_from_two_starting_weights_are_refused(tmp_path: Path) 
         run_real_staleness_bench(bench, ROOT, tmp_path / "cache")
 
 
+def test_a_real_run_counts_as_collapsed_when_it_ends_below_its_start_not_by_its_training_reward(
+        tmp_path: Path) -> None:
+    """Under lag the training reward is an old policy's: a run that fell to 2% held-out can keep a high
+    training reward, and a run from a ~10% start trips the reward rule on noise while learning."""
+    from benchmarks.staleness.bench import summary_table
+    from benchmarks.staleness.real import ended_below_start
+
+    bench = _bench(tmp_path, tmp_path / "run.yaml", lags=[0, 2], seeds=[0, 1], only=["grpo"])
+    row = {"method": "grpo", "lag": 2, "numerics": "fp32"}
+    fell = {**row, "seed": 0, "final_success": 0.02, "gain_high": -0.03, "collapse_step": None}
+    learned = {**row, "seed": 1, "final_success": 0.95, "gain_high": 0.91, "collapse_step": 12}
+    cell = next(e for e in summary_table(bench, [fell, learned], collapsed=ended_below_start)
+                if e["lag"] == 2)
+    assert (cell["collapsed_runs"], cell["collapse_step_min"]) == (1, None)
+    synthetic = next(e for e in summary_table(bench, [fell, learned]) if e["lag"] == 2)
+    assert (synthetic["collapsed_runs"], synthetic["collapse_step_min"]) == (1, 12)
+
+
 def test_the_shipped_preset_is_valid_picked_by_kind_and_sized_by_the_rule() -> None:
     raw = yaml.safe_load(PRESET.read_text())
     assert staleness_schema(raw) is StalenessRealBenchConfig
