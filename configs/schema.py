@@ -240,8 +240,8 @@ class OPOBConfig(StrictModel):
     """winsorized_mean with form='spec' only: cap each group's baseline weights ω at this quantile."""
     grad_norm_path: Literal["fast", "per_trajectory"] = "fast"
     """Per-trajectory gradient norms: hooks on packed micro-batches (fast, exact) or one backward per
-    trajectory (the reference). learner.backend='megatron' always uses 'per_trajectory' (the fast
-    path's hooks fit HF modules, not megatron's parallel layers)."""
+    trajectory (the reference). learner.backend='megatron' takes 'fast' only with whole layers on each
+    rank (tensor, pipeline and context parallel sizes 1, local layers), else 'per_trajectory'."""
 
 
 class VCPOObjective(StrictModel):
@@ -653,8 +653,9 @@ class LearnerConfig(StrictModel):
 
     backend: Literal["torch", "megatron"] = "torch"
     """'torch': the HF model on one device; 'megatron': megatron-core with tensor parallelism (the
-    `megatron` section; needs `pip install vcpo[megatron]` and CUDA). VCPO's per-trajectory norms use
-    algo.objective.opob.grad_norm_path='per_trajectory' on megatron whatever that field says."""
+    `megatron` section; needs `pip install vcpo[megatron]` and CUDA). VCPO's per-trajectory norms take
+    algo.objective.opob.grad_norm_path='fast' on megatron only with TP = PP = CP = 1 and local layers
+    (else 'per_trajectory', norms summed over the shards)."""
     device: str = "auto"
     """torch device of the learner's model: 'auto' (cuda when available, else cpu), 'cpu', 'cuda:0'."""
     micro_batch_tokens: int = Field(2048, ge=1)

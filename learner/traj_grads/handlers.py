@@ -276,6 +276,8 @@ class _Hooked:
                 "not supported by the packed path, use accumulate_opob_grad_per_trajectory"
             )
         self._x = self._source = args[0].detach()
+        if isinstance(output, tuple):  # megatron's parallel linears: (output, bias the caller adds later)
+            output = output[0]
         if output.requires_grad:
             output.register_hook(self._on_output_grad)
 
@@ -294,16 +296,19 @@ class _Hooked:
 
 
 class LinearHandler(_Hooked):
-    """Per-trajectory gradients of an `nn.Linear` (weight and/or bias, whichever is trainable).
+    """Per-trajectory gradients of a linear layer `x Wᵀ + b` (weight and/or bias, whichever is trainable):
+    an `nn.Linear`, or any module whose first input is `x` and whose output (or its first element) is
+    `x Wᵀ + b` — `weight` and `bias` are passed, not read from the module, so a projection that receives
+    its weight as an argument (megatron's output layer) is hooked the same way.
 
     `tied`: the weight is also the input embedding (tied lm_head); then `G_j[u_j]` is left in
     `state.tied_rows` for `EmbeddingHandler`'s cross term.
     """
 
-    def __init__(self, name: str, module: nn.Linear, tied: bool) -> None:
+    def __init__(self, name: str, weight: nn.Parameter | None, bias: nn.Parameter | None, tied: bool) -> None:
         super().__init__(name)
-        self.weight = module.weight if module.weight.requires_grad else None
-        self.bias = module.bias if module.bias is not None and module.bias.requires_grad else None
+        self.weight = weight if weight is not None and weight.requires_grad else None
+        self.bias = bias if bias is not None and bias.requires_grad else None
         self.tied = tied
         self.clear()
 
@@ -441,10 +446,11 @@ def _apply_per_trajectory(
 class RMSNormHandler(_Hooked):
     """Per-trajectory `Σ_t δ_t ⊙ x̂_t` of an RMSNorm weight, recomputing `x̂` from the saved input."""
 
-    def __init__(self, name: str, module: nn.Module) -> None:
+    def __init__(self, name: str, weight: nn.Parameter, epsilon: float | None) -> None:
         super().__init__(name)
-        self.weight: nn.Parameter = module.weight
-        self.epsilon = float(module.variance_epsilon)
+        self.weight = weight
+        self.epsilon = epsilon
+        """None: the input dtype's machine epsilon (`torch.nn.RMSNorm(eps=None)`)."""
         self.clear()
 
     def clear(self) -> None:
@@ -453,7 +459,8 @@ class RMSNormHandler(_Hooked):
     def on_backward(self, delta: Tensor, x: Tensor) -> None:
         state = self.state
         x32 = x.float()
-        normalised = (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.epsilon)).to(x.dtype)
+        epsilon = torch.finfo(x.dtype).eps if self.epsilon is None else self.epsilon
+        normalised = (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + epsilon)).to(x.dtype)
         _, row_trajectory = state.rows(delta.shape[0], self.name)
         self._per_trajectory = _segment_sums(
             delta.float() * normalised.float(), row_trajectory, len(state.sq_norms)
@@ -473,10 +480,10 @@ class EmbeddingHandler:
     as in `F.embedding`.
     """
 
-    def __init__(self, name: str, module: nn.Embedding, tied: bool) -> None:
+    def __init__(self, name: str, weight: nn.Parameter, padding_idx: int | None, tied: bool) -> None:
         self.name = name
-        self.weight: nn.Parameter = module.weight
-        self.padding_idx = module.padding_idx
+        self.weight = weight
+        self.padding_idx = padding_idx
         self.tied = tied
         self._state: MicroBatchState | None = None
         self._delta: Tensor | None = None

@@ -89,14 +89,15 @@ class PackedGradHooks:
             if module is self.embedding_module and _is_plain(module, nn.Embedding):
                 problem = _embedding_problem(module)
                 if problem is None:
-                    self.embedding = EmbeddingHandler(name, module, tied=False)
+                    self.embedding = EmbeddingHandler(name, module.weight, module.padding_idx, tied=False)
                     continue
                 problems.append(where + problem)
             elif _is_plain(module, nn.Linear):
                 tied = module.weight is embedding_weight and module.weight.requires_grad
-                self.hooked.append((module, LinearHandler(name, module, tied=tied)))
+                self.hooked.append((module, LinearHandler(name, module.weight, module.bias, tied=tied)))
             elif type(module).__name__ in RMS_NORM_CLASSES and [p_name for p_name, _ in own] == ["weight"]:
-                self.hooked.append((module, RMSNormHandler(name, module)))
+                epsilon = float(module.variance_epsilon)
+                self.hooked.append((module, RMSNormHandler(name, module.weight, epsilon)))
             else:
                 problems.extend(f"{where}parameter {name}.{p_name}" for p_name, _ in own)
         if problems:

@@ -183,6 +183,7 @@ def accumulate_opob_grad_packed(
     autocast_dtype: torch.dtype | None = None,
     temperature: float = DEFAULT_TEMPERATURE,
     coefficients_from_logprobs: CoefficientsFn | None = None,
+    hooks_class: type[PackedGradHooks] = PackedGradHooks,
 ) -> OpobGradResult:
     """OPOB gradient on packed micro-batches: one forward and one backward each, exact norms.
 
@@ -196,12 +197,14 @@ def accumulate_opob_grad_packed(
     when given, micro-batch `m`'s `a_j`, `s_j` come from it, called with the log-probs of that
     micro-batch's own forward (detached) before its backward — the coefficient tensors passed in are then
     only placeholders (zeros); the callback keeps the log-probs it needs (`learner.proximal: reuse`).
+    `hooks_class`: what hooks `model`'s layers — `PackedGradHooks` for an HF causal LM; a backend with
+    layers of its own passes its subclass (learner/backends/megatron/packed_grads.py).
     Raises `UnsupportedParameterError` (naming them) if some trainable parameter has no hook. Hooks and
     `requires_grad` flags are always restored; after an exception `.grad` is partial.
     """
     num_trajectories = _check_coefs(reward_coefs, baseline_coefs)
     schedule = _GroupSchedule.build(microbatches, reward_coefs, baseline_coefs)
-    hooks = PackedGradHooks(model, autocast_dtype, temperature)
+    hooks = hooks_class(model, autocast_dtype, temperature)
     cost = (dense_cost_flops if dense_cost_flops is not None
             else default_dense_cost_flops(hooks.device, autocast_dtype))
     sq_norms = torch.zeros(num_trajectories, dtype=torch.float32, device=hooks.device)

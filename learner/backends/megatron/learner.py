@@ -8,12 +8,14 @@ and backward pass through every stage, with context parallelism each rank runs a
 and either way each rank runs the same step on its own layers and tokens. What
 differs on sharded parameters is swapped in here:
 
-* VCPO's per-trajectory norms: `accumulate_opob_grad_per_trajectory` on this rank's shards
+* VCPO's per-trajectory norms: with whole layers on the rank (TP = PP = CP = 1, local layers) the fast
+  packed path, one forward and backward per micro-batch with megatron's layers hooked
+  (learner/backends/megatron/packed_grads.py); otherwise
+  `accumulate_opob_grad_per_trajectory` on this rank's shards
   (`_rank_sq_norm`: a replicated parameter — the RMSNorm weights — counted on TP rank 0 only, summed
   over TP first where sequence parallelism splits its gradient; a tied embedding's two pipeline copies
   summed, then counted once), then all-reduced over the model-parallel group (TP × PP) — inside the
-  baseline callback, so every rank computes the same `b*_g`. (The fast packed path hooks HF modules
-  and does not fit megatron's parallel layers.)
+  baseline callback, so every rank computes the same `b*_g`.
 * the finishing step: gradients go into megatron's DistributedDataParallel fp32 buffers;
   `finalize_model_grads` sums them over the data-parallel ranks (and the sequence-parallel norm
   weights over TP, a tied embedding's copies over the first and last stage); megatron's optimizer
@@ -52,10 +54,16 @@ from torch import Tensor, nn
 from configs.schema import AlgoConfig, MegatronConfig, OptimConfig, RunConfig
 from configs.task_schema import TaskConfig
 from learner.backends.megatron.model import MegatronCausalLM, export_hf_weights, load_megatron_gpt
+from learner.backends.megatron.packed_grads import MegatronPackedGradHooks, fast_path_problem
 from learner.backends.torch_learner import TorchLearner, lr_at
 from learner.distributed.data_parallel import DataParallel
 from learner.forward.packing import PackedMicroBatch
-from learner.traj_grads.opob_grad import BaselineFn, accumulate_opob_grad_per_trajectory, squared_sum
+from learner.traj_grads.opob_grad import (
+    BaselineFn,
+    accumulate_opob_grad_packed,
+    accumulate_opob_grad_per_trajectory,
+    squared_sum,
+)
 from rollout.types import DEFAULT_TEMPERATURE
 
 log = logging.getLogger(__name__)
@@ -111,9 +119,6 @@ class MegatronLearner(TorchLearner):
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the megatron learner trains in float32 or bfloat16, not {dtype}; set "
                              "model.dtype to 'float32' or 'bfloat16'")
-        if algo.objective.type == "vcpo" and algo.objective.opob.grad_norm_path == "fast":
-            log.info("learner.backend='megatron': VCPO's per-trajectory norms use grad_norm_path="
-                     "'per_trajectory' (the fast path hooks HF modules, not megatron's parallel layers)")
         self.megatron_config, self.dtype = megatron, dtype
         self.gpt = load_megatron_gpt(hf_dir, megatron, dtype, torch.device(device))
         # the losses are normalised by minibatch-wide denominators, so the data-parallel ranks' gradients
@@ -128,6 +133,13 @@ class MegatronLearner(TorchLearner):
                                      parallel_state.get_data_parallel_group()) if replicas > 1 else None
         super().__init__(MegatronCausalLM(self.gpt), algo, optim, micro_batch_tokens=micro_batch_tokens,
                          temperature=temperature, data_parallel=data_parallel)
+        self.fast_norms = self.objective.needs_grad_norms and algo.objective.opob.grad_norm_path == "fast"
+        """VCPO's norms on the fast packed path (else per trajectory, summed over shards)."""
+        problem = fast_path_problem(self.model)
+        if self.fast_norms and problem is not None:
+            self.fast_norms = False
+            log.info("learner.backend='megatron': VCPO's per-trajectory norms take grad_norm_path="
+                     "'per_trajectory' here: %s", problem)
 
     def _check_supported(self) -> None:
         super()._check_supported()
@@ -153,11 +165,16 @@ class MegatronLearner(TorchLearner):
 
     @property
     def reuses_gradient_forward(self) -> bool:
-        """Never: the norms come from `_accumulate_opob` below (per trajectory, summed over shards)."""
+        """Never: log π_old always comes from its own pass, and the norms from `_accumulate_opob` below."""
         return False
 
     def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
                          baseline_coefs: Tensor, baseline_fn: BaselineFn) -> Tensor:
+        if self.fast_norms:  # whole layers on this rank: its norms are the whole norms
+            return accumulate_opob_grad_packed(
+                self.model, microbatches, reward_coefs, baseline_coefs, baseline_fn,
+                temperature=self.temperature, hooks_class=MegatronPackedGradHooks).sq_norms
+
         def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
             return baseline_fn(group, members, self._sum_over_shards(sq_norms))
 

@@ -221,19 +221,35 @@ class MegatronCausalLM(nn.Module):
         self.padding_idx: int | None = getattr(model.hf_config, "pad_token_id", None)
         """HF's Llama/Qwen2 embedding never updates the pad token's row from its lookups (nn.Embedding
         padding_idx); the same here, so both backends train the same model."""
+        self.output_projection = OutputProjection()
+        """The (K, H) → (K, V/TP) product with the output weight, as a module so per-trajectory gradient
+        hooks see its input and output gradient (it owns no parameter)."""
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, use_cache: bool = False,
-                logits_to_keep: Tensor | None = None) -> CausalLMOutput:
+    def get_input_embeddings(self) -> nn.Module:
+        """The word embedding (HF's accessor): a `VocabParallelEmbedding` on the first pipeline stage."""
+        return self.gpt.embedding.word_embeddings
+
+    def forward(self, input_ids: Tensor | None = None, position_ids: Tensor | None = None,
+                use_cache: bool = False, logits_to_keep: Tensor | None = None,
+                inputs_embeds: Tensor | None = None) -> CausalLMOutput:
         """`input_ids`, `position_ids`: (1, N) one packed row; `logits_to_keep`: (K,) long positions
-        (None: all N). `use_cache` must be False (training has no KV cache)."""
-        if input_ids.shape[0] != 1 or use_cache:
+        (None: all N). `use_cache` must be False (training has no KV cache). `inputs_embeds`: (1, N, H) word
+        embeddings of the row to start from instead of `input_ids` (the per-trajectory gradient hooks start
+        the graph there); one stage, no sequence or context split."""
+        if (inputs_embeds is None) == (input_ids is None) or position_ids is None:
+            raise ValueError("MegatronCausalLM takes position_ids and one of input_ids or inputs_embeds")
+        rows = inputs_embeds if input_ids is None else input_ids
+        if rows.shape[0] != 1 or use_cache:
             raise ValueError("MegatronCausalLM takes one packed row (1, N) and use_cache=False")
-        length = input_ids.shape[1]
+        length = rows.shape[1]
         positions = (logits_to_keep if logits_to_keep is not None
-                     else torch.arange(length, device=input_ids.device))
+                     else torch.arange(length, device=rows.device))
         if not isinstance(positions, Tensor):
             raise TypeError("logits_to_keep must be a tensor of positions (an int 'last k' is not supported)")
-        hidden = self._decode(input_ids, position_ids)
+        if inputs_embeds is not None:
+            hidden = self._decode_embedded(inputs_embeds, position_ids)
+        else:
+            hidden = self._decode(input_ids, position_ids)
         if not self.gpt.post_process:  # (N, 1, H) [N/TP with SP, N/CP with CP] for the next stage
             shape = (positions.numel(), self.gpt.vocab_size)
             return CausalLMOutput(_SendToNextStage.apply(hidden, shape).unsqueeze(0))
@@ -297,16 +313,7 @@ class MegatronCausalLM(nn.Module):
             received = _ReceiveFromPreviousStage.apply(self._anchor(), shape, config.params_dtype)
             gpt.decoder.set_input_tensor(received)
             hidden = None  # the decoder reads its input tensor
-        if self.uses_transformer_engine:
-            params = packed_seq_params(position_ids)
-            rotary = gpt.rotary_pos_emb(params.max_seqlen_q, packed_seq=True)  # applied per cu_seqlens
-            hidden = gpt.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary,
-                                 packed_seq_params=params)
-        else:
-            # RoPE at each token's own position: (N, 1, 1, D) rows of the (max position + 1) table
-            # (packed_seq: the whole table, which megatron would otherwise cut for its own CP layout)
-            rotary = gpt.rotary_pos_emb(int(position_ids.max()) + 1, packed_seq=True)[position_ids[0]]
-            hidden = gpt.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
+        hidden = self._run_decoder(hidden, position_ids, mask)
         if not gpt.post_process or config.context_parallel_size > 1:
             return hidden
         if config.sequence_parallel:
@@ -314,6 +321,21 @@ class MegatronCausalLM(nn.Module):
             # keeps this rank's slice (no reduction)
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return hidden[:length]
+
+    def _decode_embedded(self, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
+        """`_decode` from the word embeddings (1, N, H) of a whole row on a single stage: what megatron's
+        embedding does after its lookup (to (N, 1, H); no position embedding with RoPE, no dropout here),
+        then the decoder. The pad token's row gets its zero gradient from whoever built `inputs_embeds`."""
+        config = self.gpt.config
+        if not (self.gpt.pre_process and self.gpt.post_process) or config.sequence_parallel or (
+                config.context_parallel_size > 1):
+            raise ValueError("inputs_embeds needs the whole model on one stage and no sequence or context "
+                             "parallelism (the row is not split)")
+        hidden = inputs_embeds.transpose(0, 1).contiguous()
+        if config.fp32_residual_connection:
+            hidden = hidden.float()
+        mask = None if self.uses_transformer_engine else packed_causal_mask(position_ids)
+        return self._run_decoder(hidden, position_ids, mask)
 
     def _embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """The embedding lookup, with no gradient into the pad token's row (HF's padding_idx)."""
@@ -328,6 +350,19 @@ class MegatronCausalLM(nn.Module):
             is_pad = is_pad.view(self.gpt.config.tensor_model_parallel_size, -1)[rank]
         return torch.where(is_pad[:, None, None], hidden.detach(), hidden)
 
+    def _run_decoder(self, hidden: Tensor | None, position_ids: Tensor, mask: Tensor | None) -> Tensor:
+        """This stage's layers on `hidden` (None: the input tensor received from the previous stage)."""
+        gpt = self.gpt
+        if self.uses_transformer_engine:
+            params = packed_seq_params(position_ids)
+            rotary = gpt.rotary_pos_emb(params.max_seqlen_q, packed_seq=True)  # applied per cu_seqlens
+            return gpt.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary,
+                               packed_seq_params=params)
+        # RoPE at each token's own position: (N, 1, 1, D) rows of the (max position + 1) table
+        # (packed_seq: the whole table, which megatron would otherwise cut for its own CP layout)
+        rotary = gpt.rotary_pos_emb(int(position_ids.max()) + 1, packed_seq=True)[position_ids[0]]
+        return gpt.decoder(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary)
+
     def _logits(self, hidden: Tensor) -> Tensor:
         """(K, H) final hidden states → (K, V) logits: this rank's vocabulary shard, all-gathered."""
         from megatron.core.tensor_parallel import (
@@ -340,8 +375,16 @@ class MegatronCausalLM(nn.Module):
                   else gpt.output_layer.weight)
         # copy: identity forward, all-reduce of the (K, H) gradient backward (each rank's vocab shard
         # contributes part of it)
-        local = F.linear(copy_to_tensor_model_parallel_region(hidden), weight)
+        local = self.output_projection(copy_to_tensor_model_parallel_region(hidden), weight)
         return gather_from_tensor_model_parallel_region(local)
+
+
+class OutputProjection(nn.Module):
+    """`F.linear(hidden, weight)` with the output weight passed in: the output layer's own weight, or the
+    embedding's when they are tied — no parameter of its own."""
+
+    def forward(self, hidden: Tensor, weight: Tensor) -> Tensor:
+        return F.linear(hidden, weight)
 
 
 # --- pipeline stages: point-to-point activations and gradients, logits broadcast -----------------------

@@ -2,7 +2,8 @@
 VCPO's per-trajectory squared gradient norms and the weights after one optimizer step (compared in HF
 names through mbridge's export) — in process at TP = 1, and at TP = 2, DP = 2, PP = 2 and 3, CP = 2,
 PP × CP = 2 × 2 and TP × PP = 2 × 2 under torchrun, all on the CPU with gloo and the test-only CUDA shim
-(tests/learner/megatron_cpu.py).
+(tests/learner/megatron_cpu.py). At TP = 1 VCPO's norms take the fast packed path (megatron's layers hooked),
+checked against the per-trajectory path the split layouts take.
 
 Tolerances (fp32 throughout; measured maxima on this machine in brackets): logits 1e-5 absolute
 [2e-7]; metrics 1e-5 relative [2e-6]; ‖∇ℓ_i‖² 1e-5 relative [3e-7]; weights after one Adam step at
@@ -62,14 +63,19 @@ CONDITIONED_METRIC_ABS = {"is/log_w_reward_corr": 1e-4}
 small per-token differences, ~0.1 here) with R moves by ~1e-5 when the log-ratios move by 1e-6."""
 
 
-def _megatron_learner(hf_dir: Path, algo_name: str, **megatron: object) -> object:
+def _megatron_learner(hf_dir: Path, algo_name: str, grad_norm_path: str | None = None,
+                      dtype: torch.dtype = torch.float32, **megatron: object) -> object:
     from learner.backends.megatron.learner import MegatronLearner
     from tests.learner.megatron_cpu import cuda_on_cpu
 
+    algo = megatron_parity.algo(algo_name)
+    if grad_norm_path is not None:
+        opob = algo.objective.opob.model_copy(update={"grad_norm_path": grad_norm_path})
+        algo = algo.model_copy(update={"objective": algo.objective.model_copy(update={"opob": opob})})
     with cuda_on_cpu():
-        return MegatronLearner(hf_dir, megatron_parity.algo(algo_name), megatron_parity.OPTIM,
+        return MegatronLearner(hf_dir, algo, megatron_parity.OPTIM,
                                MegatronConfig.model_validate(megatron),
-                               micro_batch_tokens=megatron_parity.MICRO_BATCH_TOKENS)
+                               micro_batch_tokens=megatron_parity.MICRO_BATCH_TOKENS, dtype=dtype)
 
 
 def _step(learner: object, batch: object) -> megatron_parity.StepRecord:
@@ -125,6 +131,50 @@ def test_one_step_matches_the_torch_learner(megatron_world: None, checkpoints: d
     got = _step(learner, batch)
     assert got.metrics["grad/norm"] > 0.1  # a real update, not a vanishing one that would match anything
     _assert_same_step(got, want)
+
+
+@pytest.mark.parametrize(("kind", "algo_name"), [("llama_tied", "vcpo"), ("qwen2", "vcpo_reference")])
+def test_vcpo_on_whole_layers_takes_the_fast_norm_path_with_the_per_trajectory_paths_step(
+        megatron_world: None, checkpoints: dict[str, Path], kind: str, algo_name: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At TP = PP = CP = 1 megatron's VCPO takes the fast packed path — its own layers hooked (column- and
+    row-parallel linears, the word embedding tied to the output projection or not, torch RMSNorms, Qwen2's
+    qkv bias), one backward per micro-batch — and takes the step the per-trajectory path takes: the same
+    ‖∇ℓ_i‖², metrics and weights (and the torch learner's, test above)."""
+    from learner.backends.megatron import learner as megatron_learner
+    from learner.backends.megatron.packed_grads import MegatronPackedGradHooks
+
+    used: list[type] = []
+    packed = megatron_learner.accumulate_opob_grad_packed
+
+    def spy(*args: object, **kwargs: object) -> object:
+        used.append(kwargs["hooks_class"])
+        return packed(*args, **kwargs)
+
+    monkeypatch.setattr(megatron_learner, "accumulate_opob_grad_packed", spy)
+    batch = megatron_parity.parity_batch(kind)
+    fast = _megatron_learner(checkpoints[kind], algo_name)
+    assert fast.fast_norms
+    got = _step(fast, batch)
+    assert used and set(used) == {MegatronPackedGradHooks}
+    per_trajectory = _megatron_learner(checkpoints[kind], algo_name, grad_norm_path="per_trajectory")
+    assert not per_trajectory.fast_norms
+    want = _step(per_trajectory, batch)
+    assert len(used) == 1  # the per-trajectory learner did not take the packed path
+    assert got.metrics["grad/norm"] > 0.1
+    _assert_same_step(got, want)
+
+
+def test_in_bf16_the_fast_norm_path_gives_the_per_trajectory_norms_to_bf16_rounding(
+        megatron_world: None, checkpoints: dict[str, Path]) -> None:
+    """bf16 weights (no autocast): both paths round differently (the fast one's Gram products, the other's
+    autograd), so their ‖∇ℓ_i‖² agree to bf16 rounding [1.3e-3 relative measured], not to fp32's."""
+    batch = megatron_parity.parity_batch("llama_tied")
+    fast = _step(_megatron_learner(checkpoints["llama_tied"], "vcpo", dtype=torch.bfloat16), batch)
+    per_trajectory = _step(_megatron_learner(checkpoints["llama_tied"], "vcpo", "per_trajectory",
+                                             dtype=torch.bfloat16), batch)
+    torch.testing.assert_close(fast.sq_norms, per_trajectory.sq_norms, rtol=1e-2, atol=0)
+    assert fast.metrics["grad/norm"] == pytest.approx(per_trajectory.metrics["grad/norm"], rel=1e-2)
 
 
 BATCH_STATISTIC_ALGOS = {

@@ -1,0 +1,79 @@
+"""The fast exact per-trajectory gradient path (learner/traj_grads/) on a megatron GPT.
+
+`PackedGradHooks` finds an HF model's layers by their classes (`nn.Linear`, `nn.Embedding`, HF's RMSNorms);
+`MegatronPackedGradHooks` hands the same handlers megatron's: its column- and row-parallel linears (whose
+output is `(x Wᵀ [+ b], bias added later)`, the bias's gradient the same either way), the word embedding,
+`torch.nn.RMSNorm`, and the output layer's product (`OutputProjection`, whose weight — the output layer's,
+or the embedding's when tied — is passed in). With the weights frozen for the pass, megatron's linears run
+their frozen-weight path and compute input gradients only, as the hooks need.
+
+Whole layers only: one tensor-parallel rank, one pipeline stage, no context parallelism, megatron's local
+layers (TransformerEngine fuses the RMSNorms into the linears). `fast_path_problem` says what else
+a configuration has; the learner then takes the per-trajectory path, whose norms it sums over shards.
+Data parallelism is no obstacle: each replica runs whole groups.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from learner.traj_grads.handlers import EmbeddingHandler, LinearHandler, RMSNormHandler
+from learner.traj_grads.hooks import PER_TRAJECTORY_HINT, PackedGradHooks, UnsupportedParameterError
+from rollout.types import DEFAULT_TEMPERATURE
+
+
+def fast_path_problem(model: nn.Module) -> str | None:
+    """Why the fast path cannot run on this `MegatronCausalLM`'s layout (None: it can)."""
+    config = model.gpt.config
+    sizes = {"tensor_model_parallel_size": config.tensor_model_parallel_size,
+             "pipeline_model_parallel_size": config.pipeline_model_parallel_size,
+             "context_parallel_size": config.context_parallel_size}
+    split = [f"{name}={size}" for name, size in sizes.items() if size > 1]
+    if split:
+        return (f"{', '.join(split)} splits a layer's gradient over ranks (the fast path needs whole layers "
+                "on one rank)")
+    if model.uses_transformer_engine:
+        return ("TransformerEngine layers fuse the RMSNorms into the linears (the fast path needs local "
+                "layers)")
+    return None
+
+
+class MegatronPackedGradHooks(PackedGradHooks):
+    """`PackedGradHooks` on a `MegatronCausalLM` whose layout `fast_path_problem` accepts."""
+
+    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None,
+                 temperature: float = DEFAULT_TEMPERATURE) -> None:
+        problem = fast_path_problem(model)
+        if problem is not None:
+            raise ValueError(f"the fast per-trajectory gradient path cannot run here: {problem}")
+        super().__init__(model, autocast_dtype, temperature)
+
+    def _scan(self, model: nn.Module) -> None:
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        gpt = model.gpt
+        tied = bool(gpt.share_embeddings_and_output_weights)
+        output_weight = gpt.shared_embedding_or_output_weight() if tied else gpt.output_layer.weight
+        problems = []
+        for name, module in model.named_modules():
+            if module is model.output_projection:
+                if output_weight.requires_grad:
+                    self.hooked.append((module, LinearHandler(name, output_weight, None, tied=tied)))
+                continue
+            own = [(p_name, p) for p_name, p in module.named_parameters(recurse=False) if p.requires_grad]
+            if not own or module is gpt.output_layer:  # its weight reaches the logits through the projection
+                continue
+            names = [p_name for p_name, _ in own]
+            if module is self.embedding_module and names == ["weight"]:
+                self.embedding = EmbeddingHandler(name, module.weight, model.padding_idx, tied=tied)
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                self.hooked.append((module, LinearHandler(name, module.weight, module.bias, tied=False)))
+            elif isinstance(module, nn.RMSNorm) and names == ["weight"]:
+                self.hooked.append((module, RMSNormHandler(name, module.weight, module.eps)))
+            else:
+                problems.extend(f"{name} ({type(module).__name__}): parameter {p_name}" for p_name in names)
+        if problems:
+            raise UnsupportedParameterError(
+                "the packed per-trajectory gradient path has no hook for these trainable parameters: "
+                + "; ".join(problems) + f". For each, {PER_TRAJECTORY_HINT}.")
