@@ -177,6 +177,7 @@ PHASES = ("time/learner_proximal", "time/learner_gradient", "time/learner_optimi
 def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, device: str = "cpu",
                   shape: BenchShape | None = None, batch: BenchBatch | None = None,
                   objective: Literal["grpo", "vcpo"] = "grpo",
+                  grad_norm_path: Literal["fast", "per_trajectory"] = "fast",
                   dtype: Literal["float32", "bfloat16"] = "float32", micro_batch_tokens: int = 4096,
                   steps: int = 3, warmup: int = 1, megatron: MegatronConfig | None = None,
                   proximal: str = "auto", share_prompts: bool = True, fused_elementwise: bool = False,
@@ -188,7 +189,9 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
     """
     shape, batch = shape or BenchShape(), batch or BenchBatch()
     fused_elementwise = fused_elementwise and backend != "megatron"  # a torch-learner option
-    algo = AlgoConfig.model_validate({"objective": {"type": objective}, "group_size": batch.group_size})
+    norms = {"opob": {"grad_norm_path": grad_norm_path}} if objective == "vcpo" else {}
+    algo = AlgoConfig.model_validate({"objective": {"type": objective, **norms},
+                                      "group_size": batch.group_size})
     torch_dtype = getattr(torch, dtype)
     with tempfile.TemporaryDirectory(prefix="vcpo-bench-learner-") as tmp:
         hf_dir = write_random_checkpoint(shape, Path(tmp) / "model", seed)
@@ -241,7 +244,8 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
         peak_gflops=peaks[matmul_dtype], device=device)
     return {
         "backend": backend, "device": device, "dtype": dtype, "matmul_dtype": matmul_dtype,
-        "objective": objective, "proximal": proximal, "reuses_gradient_forward": reuses,
+        "objective": objective, "grad_norm_path": grad_norm_path if objective == "vcpo" else None,
+        "proximal": proximal, "reuses_gradient_forward": reuses,
         "share_prompts": share_prompts, "fused_elementwise": fused_elementwise,
         "prompt_tokens_shared_per_step": float(metrics.get("train/prompt_tokens_shared", 0.0)),
         "shape": asdict(shape), "batch": asdict(batch), "micro_batch_tokens": micro_batch_tokens,
@@ -277,7 +281,8 @@ def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
             continue
         try:
             results[backend] = bench_learner(backend, device=device, shape=shape, batch=batch,
-                                             objective=config.objective, dtype=config.dtype,
+                                             objective=config.objective,
+                                             grad_norm_path=config.grad_norm_path, dtype=config.dtype,
                                              micro_batch_tokens=config.micro_batch_tokens, steps=config.steps,
                                              warmup=config.warmup, proximal=config.proximal,
                                              share_prompts=config.share_prompts,

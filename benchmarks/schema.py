@@ -108,6 +108,9 @@ class LearnerBenchConfig(StrictModel):
     """Parameter dtype of the learners (bf16 on GPUs)."""
     objective: Literal["grpo", "vcpo"] = "vcpo"
     """The step timed: plain GRPO, or VCPO with its per-trajectory gradient norms."""
+    grad_norm_path: Literal["fast", "per_trajectory"] = "fast"
+    """VCPO's norms (`algo.objective.opob.grad_norm_path`): the packed hooks, or one backward per
+    trajectory (what megatron falls back to when a layer is split over ranks)."""
     proximal: Literal["separate", "reuse", "auto"] = "auto"
     """Where log π_old comes from (`learner.proximal`: a separate forward, or the gradient pass's)."""
     share_prompts: bool = True

@@ -46,6 +46,19 @@ def test_the_bench_shares_each_groups_prompt_like_the_run_unless_told_not_to() -
     assert rows[True]["share_prompts"] and not rows[False]["share_prompts"]
 
 
+def test_the_bench_times_the_norm_path_it_is_told() -> None:
+    """`grad_norm_path` reaches the learner: on the per-trajectory path the fp32 step cannot take log π_old
+    from the gradient pass (one backward per trajectory has no packed forward to reuse), on the fast one
+    it does."""
+    batch = BenchBatch(groups=1, group_size=2, tokens=24, sampled=16, prompt=0)
+    rows = {path: bench_learner("torch", shape=TINY, batch=batch, objective="vcpo", grad_norm_path=path,
+                                steps=1, warmup=0, peak_gemm_size=128)
+            for path in ("fast", "per_trajectory")}
+    assert rows["fast"]["grad_norm_path"] == "fast" and rows["fast"]["reuses_gradient_forward"]
+    assert rows["per_trajectory"]["grad_norm_path"] == "per_trajectory"
+    assert not rows["per_trajectory"]["reuses_gradient_forward"]
+
+
 def test_megatron_bench_on_cpu_says_what_to_do() -> None:
     with pytest.raises(ValueError, match="needs CUDA"):
         bench_learner("megatron", device="cpu", shape=TINY,
