@@ -162,7 +162,7 @@ def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: tor
     torch.cuda.set_device(torch.device(device).index or 0)  # set_device refuses a bare 'cuda'
     init_model_parallel(megatron, backend="nccl")
     return MegatronLearner(hf_dir, algo, optim, megatron, micro_batch_tokens=micro_batch_tokens, dtype=dtype,
-                           device=torch.device("cuda", torch.cuda.current_device()))
+                           device=torch.device("cuda", torch.cuda.current_device()), proximal=proximal)
 
 
 def _peak_memory_mib(device: str) -> float:

@@ -680,8 +680,8 @@ class LearnerConfig(StrictModel):
     π_θ = π_old there — which saves that forward (about a quarter of a VCPO step) but under autocast
     gives IS weights with bf16 rounding in them (measured in docs/results.md). 'auto': 'reuse' where
     that forward is in the weights' dtype anyway (no autocast: the same log-probs), else 'separate'.
-    Reuse applies to VCPO on the torch learner's fast norm path; elsewhere the learner keeps the
-    separate forward."""
+    Reuse applies to VCPO on the fast norm path (the torch learner's, megatron's with whole layers on
+    each rank); elsewhere the learner keeps the separate forward."""
     share_prompts: bool = True
     """Forward each group's common prompt once instead of once per trajectory, wherever no hook needs
     each trajectory's own activations: the proximal pass (log π_old), the reference model's and OTB's

@@ -59,6 +59,7 @@ from learner.forward.packing import (
     plan_microbatches,
     share_prefixes,
 )
+from learner.traj_grads.hooks import PackedGradHooks
 from learner.traj_grads.opob_grad import (
     BaselineFn,
     accumulate_opob_grad_packed,
@@ -100,6 +101,10 @@ def lr_at(optim: OptimConfig, step: int) -> float:
 
 class TorchLearner:
     """Owns the trained model, its optimizer and the algorithm objects (see the module docstring)."""
+
+    packed_hooks: type[PackedGradHooks] = PackedGradHooks
+    """What hooks the model's layers on VCPO's fast norm path: an HF causal LM's here; a backend with
+    layers of its own names its subclass."""
 
     def __init__(self, model: nn.Module, algo: AlgoConfig, optim: OptimConfig, *, micro_batch_tokens: int,
                  temperature: float = DEFAULT_TEMPERATURE, autocast_dtype: torch.dtype | None = None,
@@ -616,7 +621,8 @@ class TorchLearner:
             placeholder = torch.zeros_like(reward_coef)
             sq_norms = accumulate_opob_grad_packed(
                 self.model, live, placeholder, placeholder, baseline, autocast_dtype=self.autocast_dtype,
-                temperature=self.temperature, coefficients_from_logprobs=from_logprobs).sq_norms
+                temperature=self.temperature, coefficients_from_logprobs=from_logprobs,
+                hooks_class=self.packed_hooks).sq_norms
             full.old[:] = self._share(full.old)  # every rank: the whole minibatch's log π_old
         if self.data_parallel is None:
             return sq_norms, skipped
@@ -627,10 +633,14 @@ class TorchLearner:
         """`.grad += −Σ (a_i − b*_g s_i) ∇ℓ_i` (learner/traj_grads/opob_grad.py); returns
         ‖∇ℓ_i‖² (B,). The seam a
         model-parallel backend overrides to complete the per-shard norms across its ranks."""
-        accumulate = (accumulate_opob_grad_packed if self.algo.objective.opob.grad_norm_path == "fast"
-                      else accumulate_opob_grad_per_trajectory)
-        return accumulate(self.model, microbatches, reward_coefs, baseline_coefs, baseline_fn,
-                          autocast_dtype=self.autocast_dtype, temperature=self.temperature).sq_norms
+        if self.algo.objective.opob.grad_norm_path == "fast":
+            return accumulate_opob_grad_packed(
+                self.model, microbatches, reward_coefs, baseline_coefs, baseline_fn,
+                autocast_dtype=self.autocast_dtype, temperature=self.temperature,
+                hooks_class=self.packed_hooks).sq_norms
+        return accumulate_opob_grad_per_trajectory(
+            self.model, microbatches, reward_coefs, baseline_coefs, baseline_fn,
+            autocast_dtype=self.autocast_dtype, temperature=self.temperature).sq_norms
 
     def _finish(self, lr_scale: float) -> float:
         if self.data_parallel is not None:

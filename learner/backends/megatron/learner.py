@@ -45,7 +45,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -58,12 +58,7 @@ from learner.backends.megatron.packed_grads import MegatronPackedGradHooks, fast
 from learner.backends.torch_learner import TorchLearner, lr_at
 from learner.distributed.data_parallel import DataParallel
 from learner.forward.packing import PackedMicroBatch
-from learner.traj_grads.opob_grad import (
-    BaselineFn,
-    accumulate_opob_grad_packed,
-    accumulate_opob_grad_per_trajectory,
-    squared_sum,
-)
+from learner.traj_grads.opob_grad import BaselineFn, accumulate_opob_grad_per_trajectory, squared_sum
 from rollout.types import DEFAULT_TEMPERATURE
 
 log = logging.getLogger(__name__)
@@ -110,9 +105,12 @@ class MegatronLearner(TorchLearner):
     """`TorchLearner` on a megatron GPT loaded from `hf_dir` (module docstring). Needs
     `init_model_parallel` first; `device`: this rank's device (its CUDA device on GPUs)."""
 
+    packed_hooks = MegatronPackedGradHooks
+
     def __init__(self, hf_dir: str | Path, algo: AlgoConfig, optim: OptimConfig, megatron: MegatronConfig, *,
                  micro_batch_tokens: int, temperature: float = DEFAULT_TEMPERATURE,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 proximal: Literal["separate", "reuse", "auto"] = "separate") -> None:
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -132,7 +130,7 @@ class MegatronLearner(TorchLearner):
         data_parallel = DataParallel(parallel_state.get_data_parallel_rank(), replicas,
                                      parallel_state.get_data_parallel_group()) if replicas > 1 else None
         super().__init__(MegatronCausalLM(self.gpt), algo, optim, micro_batch_tokens=micro_batch_tokens,
-                         temperature=temperature, data_parallel=data_parallel)
+                         temperature=temperature, data_parallel=data_parallel, proximal=proximal)
         self.fast_norms = self.objective.needs_grad_norms and algo.objective.opob.grad_norm_path == "fast"
         """VCPO's norms on the fast packed path (else per trajectory, summed over shards)."""
         problem = fast_path_problem(self.model)
@@ -165,15 +163,14 @@ class MegatronLearner(TorchLearner):
 
     @property
     def reuses_gradient_forward(self) -> bool:
-        """Never: log π_old always comes from its own pass, and the norms from `_accumulate_opob` below."""
-        return False
+        """As the torch learner's, on the fast norm path only: the per-trajectory one has no packed forward
+        whose log-probs it could keep."""
+        return getattr(self, "fast_norms", False) and super().reuses_gradient_forward
 
     def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
                          baseline_coefs: Tensor, baseline_fn: BaselineFn) -> Tensor:
         if self.fast_norms:  # whole layers on this rank: its norms are the whole norms
-            return accumulate_opob_grad_packed(
-                self.model, microbatches, reward_coefs, baseline_coefs, baseline_fn,
-                temperature=self.temperature, hooks_class=MegatronPackedGradHooks).sq_norms
+            return super()._accumulate_opob(microbatches, reward_coefs, baseline_coefs, baseline_fn)
 
         def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
             return baseline_fn(group, members, self._sum_over_shards(sq_norms))
@@ -342,5 +339,5 @@ def build_megatron_learner(config: RunConfig, task: TaskConfig, cache_dir: Path)
     hf_dir = resolve_model(config.model.path, cache_dir).name_or_path
     return MegatronLearner(hf_dir, config.algo, config.optim, megatron,
                            micro_batch_tokens=config.learner.micro_batch_tokens,
-                           temperature=task.loop.temperature, dtype=dtype,
+                           temperature=task.loop.temperature, dtype=dtype, proximal=config.learner.proximal,
                            device=torch.device("cuda", torch.cuda.current_device()))

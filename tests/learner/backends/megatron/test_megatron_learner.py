@@ -12,6 +12,7 @@ lr 1e-3, eps 1e-6: 1e-5 absolute, i.e. 1% of the step [3e-6].
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,7 +65,8 @@ small per-token differences, ~0.1 here) with R moves by ~1e-5 when the log-ratio
 
 
 def _megatron_learner(hf_dir: Path, algo_name: str, grad_norm_path: str | None = None,
-                      dtype: torch.dtype = torch.float32, **megatron: object) -> object:
+                      dtype: torch.dtype = torch.float32, proximal: str = "separate",
+                      **megatron: object) -> object:
     from learner.backends.megatron.learner import MegatronLearner
     from tests.learner.megatron_cpu import cuda_on_cpu
 
@@ -75,7 +77,8 @@ def _megatron_learner(hf_dir: Path, algo_name: str, grad_norm_path: str | None =
     with cuda_on_cpu():
         return MegatronLearner(hf_dir, algo, megatron_parity.OPTIM,
                                MegatronConfig.model_validate(megatron),
-                               micro_batch_tokens=megatron_parity.MICRO_BATCH_TOKENS, dtype=dtype)
+                               micro_batch_tokens=megatron_parity.MICRO_BATCH_TOKENS, dtype=dtype,
+                               proximal=proximal)
 
 
 def _step(learner: object, batch: object) -> megatron_parity.StepRecord:
@@ -133,34 +136,39 @@ def test_one_step_matches_the_torch_learner(megatron_world: None, checkpoints: d
     _assert_same_step(got, want)
 
 
-@pytest.mark.parametrize(("kind", "algo_name"), [("llama_tied", "vcpo"), ("qwen2", "vcpo_reference")])
+@pytest.mark.parametrize(("kind", "algo_name", "proximal"), [
+    ("llama_tied", "vcpo", "separate"), ("qwen2", "vcpo_reference", "auto")])
 def test_vcpo_on_whole_layers_takes_the_fast_norm_path_with_the_per_trajectory_paths_step(
-        megatron_world: None, checkpoints: dict[str, Path], kind: str, algo_name: str,
+        megatron_world: None, checkpoints: dict[str, Path], kind: str, algo_name: str, proximal: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """At TP = PP = CP = 1 megatron's VCPO takes the fast packed path — its own layers hooked (column- and
     row-parallel linears, the word embedding tied to the output projection or not, torch RMSNorms, Qwen2's
     qkv bias), one backward per micro-batch — and takes the step the per-trajectory path takes: the same
-    ‖∇ℓ_i‖², metrics and weights (and the torch learner's, test above)."""
-    from learner.backends.megatron import learner as megatron_learner
+    ‖∇ℓ_i‖², metrics and weights (and the torch learner's, test above). With `proximal: auto` in fp32 it
+    takes log π_old from that pass's forward (no separate one), as the torch learner does."""
+    from learner.backends import torch_learner
     from learner.backends.megatron.packed_grads import MegatronPackedGradHooks
 
     used: list[type] = []
-    packed = megatron_learner.accumulate_opob_grad_packed
+    packed = torch_learner.accumulate_opob_grad_packed
 
     def spy(*args: object, **kwargs: object) -> object:
         used.append(kwargs["hooks_class"])
         return packed(*args, **kwargs)
 
-    monkeypatch.setattr(megatron_learner, "accumulate_opob_grad_packed", spy)
+    monkeypatch.setattr(torch_learner, "accumulate_opob_grad_packed", spy)
     batch = megatron_parity.parity_batch(kind)
-    fast = _megatron_learner(checkpoints[kind], algo_name)
-    assert fast.fast_norms
+    fast = _megatron_learner(checkpoints[kind], algo_name, proximal=proximal)
+    assert fast.fast_norms and fast.reuses_gradient_forward == (proximal == "auto")
     got = _step(fast, batch)
     assert used and set(used) == {MegatronPackedGradHooks}
-    per_trajectory = _megatron_learner(checkpoints[kind], algo_name, grad_norm_path="per_trajectory")
-    assert not per_trajectory.fast_norms
+    per_trajectory = _megatron_learner(checkpoints[kind], algo_name, grad_norm_path="per_trajectory",
+                                       proximal=proximal)
+    assert not per_trajectory.fast_norms and not per_trajectory.reuses_gradient_forward
     want = _step(per_trajectory, batch)
     assert len(used) == 1  # the per-trajectory learner did not take the packed path
+    if fast.reuses_gradient_forward:  # its norms stay inside the pass that reuses the forward, unrecorded
+        want = dataclasses.replace(want, sq_norms=None)
     assert got.metrics["grad/norm"] > 0.1
     _assert_same_step(got, want)
 
