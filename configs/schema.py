@@ -240,8 +240,8 @@ class OPOBConfig(StrictModel):
     """winsorized_mean with form='spec' only: cap each group's baseline weights ω at this quantile."""
     grad_norm_path: Literal["fast", "per_trajectory"] = "fast"
     """Per-trajectory gradient norms: hooks on packed micro-batches (fast, exact) or one backward per
-    trajectory (the reference). learner.backend='megatron' takes 'fast' only with whole layers on each
-    rank (tensor, pipeline and context parallel sizes 1, local layers), else 'per_trajectory'."""
+    trajectory (the reference). learner.backend='megatron' takes 'fast' only without pipeline, context
+    or sequence parallelism (tensor parallelism is fine; local layers), else 'per_trajectory'."""
 
 
 class VCPOObjective(StrictModel):
@@ -654,8 +654,8 @@ class LearnerConfig(StrictModel):
     backend: Literal["torch", "megatron"] = "torch"
     """'torch': the HF model on one device; 'megatron': megatron-core with tensor parallelism (the
     `megatron` section; needs `pip install vcpo[megatron]` and CUDA). VCPO's per-trajectory norms take
-    algo.objective.opob.grad_norm_path='fast' on megatron only with TP = PP = CP = 1 and local layers
-    (else 'per_trajectory', norms summed over the shards)."""
+    algo.objective.opob.grad_norm_path='fast' on megatron only with PP = CP = 1, no sequence parallelism
+    and local layers (else 'per_trajectory'); either way the norms are summed over the shards."""
     device: str = "auto"
     """torch device of the learner's model: 'auto' (cuda when available, else cpu), 'cpu', 'cuda:0'."""
     micro_batch_tokens: int = Field(2048, ge=1)
@@ -680,8 +680,8 @@ class LearnerConfig(StrictModel):
     π_θ = π_old there — which saves that forward (about a quarter of a VCPO step) but under autocast
     gives IS weights with bf16 rounding in them (measured in docs/results.md). 'auto': 'reuse' where
     that forward is in the weights' dtype anyway (no autocast: the same log-probs), else 'separate'.
-    Reuse applies to VCPO on the fast norm path (the torch learner's, megatron's with whole layers on
-    each rank); elsewhere the learner keeps the separate forward."""
+    Reuse applies to VCPO on the fast norm path (the torch learner's, megatron's at tensor parallel
+    size 1); elsewhere the learner keeps the separate forward."""
     share_prompts: bool = True
     """Forward each group's common prompt once instead of once per trajectory, wherever no hook needs
     each trajectory's own activations: the proximal pass (log π_old), the reference model's and OTB's

@@ -231,6 +231,16 @@ def _rows_of(segments: Segments, trajectories: list[int], device: torch.device) 
     return torch.cat(pieces)
 
 
+def _shard_rows(tokens: Tensor, vocab_range: tuple[int, int] | None) -> tuple[Tensor, Tensor | None]:
+    """Rows of a vocabulary shard `[start, end)` for global token ids, and which of the tokens it holds
+    (None: a whole vocabulary, all of them). The rows of tokens it does not hold are clamped into range:
+    their values must be multiplied by zero."""
+    if vocab_range is None:
+        return tokens, None
+    start, end = vocab_range
+    return (tokens - start).clamp(0, end - start - 1), (tokens >= start) & (tokens < end)
+
+
 def _gram_is_cheaper(length: int, in_features: int, out_features: int, dense_cost_flops: float,
                      open_group: bool = False) -> bool:
     """Gram norm (`2T²(in+out)` flops, plus the `S_g` GEMM's `2T·in·out` while the group stays open)
@@ -302,14 +312,17 @@ class LinearHandler(_Hooked):
     its weight as an argument (megatron's output layer) is hooked the same way.
 
     `tied`: the weight is also the input embedding (tied lm_head); then `G_j[u_j]` is left in
-    `state.tied_rows` for `EmbeddingHandler`'s cross term.
+    `state.tied_rows` for `EmbeddingHandler`'s cross term. `vocab_range`: the tokens `[start, end)` whose
+    rows a vocabulary-parallel shard of that weight holds (None: all).
     """
 
-    def __init__(self, name: str, weight: nn.Parameter | None, bias: nn.Parameter | None, tied: bool) -> None:
+    def __init__(self, name: str, weight: nn.Parameter | None, bias: nn.Parameter | None, tied: bool,
+                 vocab_range: tuple[int, int] | None = None) -> None:
         super().__init__(name)
         self.weight = weight if weight is not None and weight.requires_grad else None
         self.bias = bias if bias is not None and bias.requires_grad else None
         self.tied = tied
+        self.vocab_range = vocab_range
         self.clear()
 
     def forward_pre_hook(self, module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
@@ -378,9 +391,11 @@ class LinearHandler(_Hooked):
             state.tied_rows = self._tied_rows(delta, x, tied_rows)
 
     def _unique_tokens(self, j: int) -> Tensor:
+        """This weight's rows of trajectory `j`'s distinct input tokens (a shard's: clamped where it does not
+        hold the token, whose embedding gradient here is zero — `EmbeddingHandler`)."""
         unique = self.state.unique_inputs()
         start, end = unique.segments[j]
-        return unique.tokens[start:end]
+        return _shard_rows(unique.tokens[start:end], self.vocab_range)[0]
 
     def _tied_rows(self, delta: Tensor, x: Tensor, dense_rows: dict[int, Tensor]) -> list[Tensor]:
         """`G_j[u_j] = δ_j[:, u_j]ᵀ x_j` for every trajectory (dense ones already sliced)."""
@@ -446,11 +461,14 @@ def _apply_per_trajectory(
 class RMSNormHandler(_Hooked):
     """Per-trajectory `Σ_t δ_t ⊙ x̂_t` of an RMSNorm weight, recomputing `x̂` from the saved input."""
 
-    def __init__(self, name: str, weight: nn.Parameter, epsilon: float | None) -> None:
+    def __init__(self, name: str, weight: nn.Parameter, epsilon: float | None, counted: bool = True) -> None:
         super().__init__(name)
         self.weight = weight
         self.epsilon = epsilon
         """None: the input dtype's machine epsilon (`torch.nn.RMSNorm(eps=None)`)."""
+        self.counted = counted
+        """Whether its norms count here: False on every tensor-parallel rank but one, which all hold the
+        same weight and compute the same gradient."""
         self.clear()
 
     def clear(self) -> None:
@@ -465,7 +483,8 @@ class RMSNormHandler(_Hooked):
         self._per_trajectory = _segment_sums(
             delta.float() * normalised.float(), row_trajectory, len(state.sq_norms)
         )
-        state.sq_norms += self._per_trajectory.square().sum(1)
+        if self.counted:
+            state.sq_norms += self._per_trajectory.square().sum(1)
 
     def apply(self, plan: ApplyPlan) -> None:
         if self._per_trajectory is not None:
@@ -477,27 +496,36 @@ class EmbeddingHandler:
 
     The packed pass (`PackedGradHooks.backward`) computes the embedding itself and starts the
     autograd graph at its output, so no hook is needed. Rows at `padding_idx` get no gradient,
-    as in `F.embedding`.
+    as in `F.embedding`. `vocab_range`: a vocabulary-parallel shard's tokens `[start, end)` (None: all);
+    it takes the gradient of the rows it holds, the other shards the rest.
     """
 
-    def __init__(self, name: str, weight: nn.Parameter, padding_idx: int | None, tied: bool) -> None:
+    def __init__(self, name: str, weight: nn.Parameter, padding_idx: int | None, tied: bool,
+                 vocab_range: tuple[int, int] | None = None) -> None:
         self.name = name
         self.weight = weight
         self.padding_idx = padding_idx
         self.tied = tied
+        self.vocab_range = vocab_range
         self._state: MicroBatchState | None = None
         self._delta: Tensor | None = None
+        self._rows: Tensor | None = None
+        """(N,) the weight's row of each packed position's token."""
 
     def bind(self, state: MicroBatchState | None) -> None:
-        self._state, self._delta = state, None
+        self._state, self._delta, self._rows = state, None, None
 
     def on_backward(self, embedding_grad: Tensor) -> None:
         """`embedding_grad`: (1, N, H) gradient of the embedding output (the leaf's `.grad`)."""
         state = self._state
         input_ids = state.batch.input_ids[0]
         delta = embedding_grad.reshape(-1, embedding_grad.shape[-1])
+        self._rows, keep = _shard_rows(input_ids, self.vocab_range)
         if self.padding_idx is not None:
-            delta = delta * (input_ids != self.padding_idx).unsqueeze(1).to(delta.dtype)
+            not_pad = input_ids != self.padding_idx
+            keep = not_pad if keep is None else keep & not_pad
+        if keep is not None:  # no gradient for the pad token, nor for tokens another shard holds
+            delta = delta * keep.unsqueeze(1).to(delta.dtype)
         self._delta = delta
         unique = state.unique_inputs()
         # E_j restricted to its rows u_j: (U, H), trajectory-major like tied_rows.
@@ -514,12 +542,12 @@ class EmbeddingHandler:
         if self._delta is None:
             return
         state, delta = self._state, self._delta
-        input_ids, token_trajectory = state.batch.input_ids[0], state.batch.token_trajectory
+        token_trajectory = state.batch.token_trajectory
         coefs = plan.grad_coefs[token_trajectory].to(delta.dtype).unsqueeze(1)
-        grad_of(self.weight).index_add_(0, input_ids, (delta * coefs).to(self.weight.dtype))
+        grad_of(self.weight).index_add_(0, self._rows, (delta * coefs).to(self.weight.dtype))
         segments = _cumulative_segments(state.batch.seq_lengths)
         for group_id, members in plan.open_groups:
             rows = _rows_of(segments, list(members), delta.device)
             coefs = state.baseline_coefs[token_trajectory[rows]].to(delta.dtype).unsqueeze(1)
             buffer = state.buffers.get(group_id, self.weight)
-            buffer.index_add_(0, input_ids[rows], (delta[rows] * coefs).to(buffer.dtype))
+            buffer.index_add_(0, self._rows[rows], (delta[rows] * coefs).to(buffer.dtype))

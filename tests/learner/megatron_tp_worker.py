@@ -2,7 +2,8 @@
 learner step per objective at
 tensor parallel size = world size, or with --layout=TP,PP,CP that layout (the rest of the world
 data-parallel: --layout=1,1,1 makes world-size replicas), on the CPU (gloo, the test-only CUDA shim).
-Rank 0 saves, per objective: the step's metrics, VCPO's ‖∇ℓ_i‖² (summed over the model-parallel ranks)
+Rank 0 saves, per objective: the step's metrics, whether VCPO took the fast norm path, VCPO's ‖∇ℓ_i‖²
+(summed over the model-parallel ranks)
 and every rank's partial sums, the weights after the step (HF names, shards gathered), and per rank:
 its embedding (or output layer) shard shape, its layer count, its weights and its ‖∇ℓ_i‖².
 
@@ -84,7 +85,8 @@ def main(hf_dir: str, kind: str, out: str, *flags: str) -> None:
                              "shards": [g["shard"] for g in gathered],
                              "layers": [g["layers"] for g in gathered],
                              "rank_weights": [g["weights"] for g in gathered],
-                             "rank_sq_norms": [g["sq_norms"] for g in gathered]}
+                             "rank_sq_norms": [g["sq_norms"] for g in gathered],
+                             "fast_norms": bool(getattr(learner, "fast_norms", False))}
         if dist.get_rank() == 0:
             torch.save(results, out)
         dist.barrier()

@@ -8,10 +8,10 @@ and backward pass through every stage, with context parallelism each rank runs a
 and either way each rank runs the same step on its own layers and tokens. What
 differs on sharded parameters is swapped in here:
 
-* VCPO's per-trajectory norms: with whole layers on the rank (TP = PP = CP = 1, local layers) the fast
-  packed path, one forward and backward per micro-batch with megatron's layers hooked
-  (learner/backends/megatron/packed_grads.py); otherwise
-  `accumulate_opob_grad_per_trajectory` on this rank's shards
+* VCPO's per-trajectory norms: without pipeline, context or sequence parallelism (local layers) the
+  fast packed path, one forward and backward per micro-batch with megatron's layers hooked
+  (learner/backends/megatron/packed_grads.py), each TP rank's norms those of its shards, summed over TP
+  in the baseline callback; otherwise `accumulate_opob_grad_per_trajectory` on this rank's shards
   (`_rank_sq_norm`: a replicated parameter — the RMSNorm weights — counted on TP rank 0 only, summed
   over TP first where sequence parallelism splits its gradient; a tied embedding's two pipeline copies
   summed, then counted once), then all-reduced over the model-parallel group (TP × PP) — inside the
@@ -163,18 +163,20 @@ class MegatronLearner(TorchLearner):
 
     @property
     def reuses_gradient_forward(self) -> bool:
-        """As the torch learner's, on the fast norm path only: the per-trajectory one has no packed forward
-        whose log-probs it could keep."""
-        return getattr(self, "fast_norms", False) and super().reuses_gradient_forward
+        """As the torch learner's, on the fast norm path with one tensor-parallel rank only: the
+        per-trajectory path has no packed forward whose log-probs it could keep, and the reusing pass does
+        not sum the shards' norms."""
+        return (getattr(self, "fast_norms", False) and self.megatron_config.tensor_model_parallel_size == 1
+                and super().reuses_gradient_forward)
 
     def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
                          baseline_coefs: Tensor, baseline_fn: BaselineFn) -> Tensor:
-        if self.fast_norms:  # whole layers on this rank: its norms are the whole norms
-            return super()._accumulate_opob(microbatches, reward_coefs, baseline_coefs, baseline_fn)
-
         def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
             return baseline_fn(group, members, self._sum_over_shards(sq_norms))
 
+        if self.fast_norms:  # this rank's shards of whole layers, summed over the TP ranks
+            return self._sum_over_shards(
+                super()._accumulate_opob(microbatches, reward_coefs, baseline_coefs, baseline))
         result = accumulate_opob_grad_per_trajectory(
             self.model, microbatches, reward_coefs, baseline_coefs, baseline, rank_sq_norm=self._rank_sq_norm,
             temperature=self.temperature)

@@ -280,26 +280,30 @@ def test_objectives_needing_a_reference_model_are_refused(megatron_world: None,
                         micro_batch_tokens=64)
 
 
-def test_tensor_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints: dict[str, Path],
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen2"])
+def test_tensor_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints: dict[str, Path], kind: str,
                                                                    tmp_path: Path) -> None:
     """TP = 2: every sharded quantity is gathered or summed back to the torch learner's value; VCPO's
-    ‖∇ℓ_i‖² is the sum of the two ranks' partial sums, the replicated RMSNorm weights counted once."""
+    ‖∇ℓ_i‖² — on the fast path, each rank's hooks on its shards — is the sum of the two ranks' partial sums,
+    the replicated RMSNorm weights counted once, the tied embedding's and output product's vocabulary
+    shards each on their rank (Qwen2: untied, its qkv bias split with the output)."""
     _needs_megatron()
     results = megatron_parity.run_tp_worker(
-        [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "tp2.pt")], timeout=300,
+        [str(checkpoints[kind]), kind, str(tmp_path / "tp2.pt")], timeout=300,
         env={"OMP_NUM_THREADS": "1"})
-    batch = megatron_parity.parity_batch("llama_tied")
+    batch = megatron_parity.parity_batch(kind)
     for name in ("grpo", "vcpo", "vcpo_reference"):  # the reference form needs whole norms too
         got = results[name]
         assert got["shards"] == [(80, 48), (80, 48)]  # the 160-token vocabulary split over the 2 ranks
-        want = megatron_parity.run_step(megatron_parity.torch_learner("llama_tied", name), batch)
+        want = megatron_parity.run_step(megatron_parity.torch_learner(kind, name), batch)
         _assert_same_step(megatron_parity.StepRecord(got["metrics"], got["sq_norms"], got["weights"]), want)
+    assert results["vcpo"]["fast_norms"] and results["vcpo_reference"]["fast_norms"]
     rank0, rank1 = results["vcpo"]["partials"]
     assert (rank0 > 0).all() and (rank1 > 0).all()  # both shards carry part of every trajectory's norm
     torch.testing.assert_close(rank0 + rank1, results["vcpo"]["sq_norms"], rtol=1e-6, atol=0)
     # the check has teeth: counting the replicated weights twice would move every norm by more than 10×
     # the tolerance (their share is ~2e-4 here)
-    replicated = _replicated_share("llama_tied", batch)
+    replicated = _replicated_share(kind, batch)
     assert (replicated / want.sq_norms > 10 * NORM_RTOL).all()
 
 
@@ -320,6 +324,7 @@ def test_data_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints: d
         assert all(torch.equal(replica0[key], replica1[key]) for key in replica0)
         metrics = dict(got["metrics"])
         assert metrics.pop("train/dp_ranks") == 2 and metrics.pop("train/dp_max_rank_tokens_over_mean") > 1
+        assert got["fast_norms"] == (name == "vcpo")  # whole layers on each replica: the fast path
         want = megatron_parity.run_step(megatron_parity.torch_learner("llama_tied", name), batch)
         sq_norms = None
         if want.sq_norms is not None:
@@ -393,6 +398,7 @@ def test_combined_layouts_with_tied_weights_match_the_torch_learner(checkpoints:
         [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "combined.pt"), f"--layout={layout}"],
         timeout=300, env={"OMP_NUM_THREADS": "1"}, ranks=4)
     batch = megatron_parity.parity_batch("llama_tied")
+    assert not results["vcpo"]["fast_norms"]  # pipeline stages: the per-trajectory path
     for name in ("grpo", "vcpo"):
         got = results[name]
         want = megatron_parity.run_step(megatron_parity.torch_learner("llama_tied", name), batch)
