@@ -8,7 +8,8 @@ makes of an HF model,
     model(input_ids=(1, N), position_ids=(1, N), use_cache=False, logits_to_keep=(K,) positions).logits
         -> (1, K, V)
 
-so the torch learner's step runs on it unchanged:
+(or `inputs_embeds=(1, N, H)` word embeddings for `input_ids`, where VCPO's fast norm path starts its
+graph), so the torch learner's step runs on it unchanged:
 
 * packed trajectories (position_ids restart at 0 at each one) stay apart: with megatron's local layers
   through a block-diagonal causal mask and RoPE at each trajectory's own positions (exactly HF's
