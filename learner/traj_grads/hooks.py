@@ -40,6 +40,12 @@ PER_TRAJECTORY_HINT = "freeze it (requires_grad=False) or use accumulate_opob_gr
 class UnsupportedParameterError(ValueError):
     """A trainable parameter has no per-trajectory gradient handler in the packed path."""
 
+    @classmethod
+    def listing(cls, problems: list[str]) -> UnsupportedParameterError:
+        """The error naming every trainable parameter without a handler (`problems`: one line each)."""
+        return cls("the packed per-trajectory gradient path has no hook for these trainable parameters: "
+                   + "; ".join(problems) + f". For each, {PER_TRAJECTORY_HINT}.")
+
 
 def _is_plain(module: nn.Module, cls: type[nn.Module]) -> bool:
     """`module` is a `cls` whose forward was not overridden (quantised or LoRA layers are not)."""
@@ -101,11 +107,7 @@ class PackedGradHooks:
             else:
                 problems.extend(f"{where}parameter {name}.{p_name}" for p_name, _ in own)
         if problems:
-            raise UnsupportedParameterError(
-                "the packed per-trajectory gradient path has no hook for these trainable parameters: "
-                + "; ".join(problems)
-                + f". For each, {PER_TRAJECTORY_HINT}."
-            )
+            raise UnsupportedParameterError.listing(problems)
         tied = any(handler.tied for _, handler in self.hooked if isinstance(handler, LinearHandler))
         if self.embedding is not None:
             self.embedding.tied = tied

@@ -166,7 +166,7 @@ class MegatronLearner(TorchLearner):
         """As the torch learner's, on the fast norm path with one tensor-parallel rank only: the
         per-trajectory path has no packed forward whose log-probs it could keep, and the reusing pass does
         not sum the shards' norms."""
-        return (getattr(self, "fast_norms", False) and self.megatron_config.tensor_model_parallel_size == 1
+        return (self.fast_norms and self.megatron_config.tensor_model_parallel_size == 1
                 and super().reuses_gradient_forward)
 
     def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
@@ -242,7 +242,9 @@ class MegatronLearner(TorchLearner):
         from megatron.core import parallel_state
 
         total = partial.clone()
-        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
+        group = parallel_state.get_model_parallel_group()
+        if dist.get_world_size(group) > 1:  # one rank (TP = PP = 1): nothing to add
+            dist.all_reduce(total, group=group)
         return total
 
     def _finish(self, lr_scale: float) -> float:

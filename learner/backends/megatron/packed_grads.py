@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from learner.traj_grads.handlers import EmbeddingHandler, LinearHandler, RMSNormHandler
-from learner.traj_grads.hooks import PER_TRAJECTORY_HINT, PackedGradHooks, UnsupportedParameterError
+from learner.traj_grads.hooks import PackedGradHooks, UnsupportedParameterError
 from rollout.types import DEFAULT_TEMPERATURE
 
 
@@ -95,6 +95,4 @@ class MegatronPackedGradHooks(PackedGradHooks):
             else:
                 problems.extend(f"{name} ({type(module).__name__}): parameter {p_name}" for p_name in names)
         if problems:
-            raise UnsupportedParameterError(
-                "the packed per-trajectory gradient path has no hook for these trainable parameters: "
-                + "; ".join(problems) + f". For each, {PER_TRAJECTORY_HINT}.")
+            raise UnsupportedParameterError.listing(problems)
