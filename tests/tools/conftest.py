@@ -29,9 +29,15 @@ SMALL_LIMITS = LocalSandboxSettings(
 
 
 @pytest.fixture
-async def sandbox() -> AsyncIterator[LocalPythonSandbox]:
+def sandbox_settings() -> LocalSandboxSettings:
+    """The `sandbox` fixture's settings; a test module overrides this fixture to change them."""
+    return SMALL_LIMITS
+
+
+@pytest.fixture
+async def sandbox(sandbox_settings: LocalSandboxSettings) -> AsyncIterator[LocalPythonSandbox]:
     """A local sandbox with small limits and no warm pool (so it has no idle child processes)."""
-    async with LocalPythonSandbox(SMALL_LIMITS) as tool:
+    async with LocalPythonSandbox(sandbox_settings) as tool:
         yield tool
 
 

@@ -16,26 +16,23 @@ import os
 import secrets
 import signal
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.tools.conftest import REPO_ROOT, SMALL_LIMITS, child_pids, pids_with_cmdline, pids_with_uid_in
-from tools import LocalPythonSandbox, ToolCall, ToolResult
+from tools import LocalPythonSandbox, LocalSandboxSettings, ToolCall, ToolResult
 
 SECRET_NAME = "VCPO_TEST_SECRET"
 
-OWN_UIDS = SMALL_LIMITS.model_copy(update={"sandbox_uid_base": 3_000_000, "sandbox_uid_count": 4096})
-"""The small limits on a uid range no other test uses: the leftover check scans the whole machine
-for processes under these uids, and other test files' sandboxes run beside this one."""
-
 
 @pytest.fixture
-async def sandbox() -> AsyncIterator[LocalPythonSandbox]:
-    async with LocalPythonSandbox(OWN_UIDS) as tool:
-        yield tool
+def sandbox_settings() -> LocalSandboxSettings:
+    """The small limits on a uid range no other test uses: the leftover check scans the whole machine
+    for processes under these uids, and other test files' sandboxes run beside this one."""
+    return SMALL_LIMITS.model_copy(update={"sandbox_uid_base": 3_000_000, "sandbox_uid_count": 4096})
 
 
 @dataclass
