@@ -199,21 +199,44 @@ def main_job_readme(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _span(values: list[float], fmt: str, unit: str = "") -> str:
+    """'12.7 min' for one value (or equal ones), '9.6–15.2 min' for several: how far repeated runs spread."""
+    low, high = fmt.format(min(values)), fmt.format(max(values))
+    return f"{low}{unit}" if low == high else f"{low}–{high}{unit}"
+
+
 def main_job_other_runs(data: dict[str, Any]) -> str:
     """The main job run other ways than the bench (a fresh clone with its installs, the warm start cached, an
-    AVX2-only host): per run its host, held-out start → end and the wall time by phase."""
+    AVX2-only host): per condition its host, held-out start → end and the wall time by phase. Runs sharing a
+    `condition` (the same command on the same kind of host with the same caches) fold into one row giving
+    their spread, so repeating a run adds evidence, not rows."""
     lines = ["| run | host | held-out success, start → end (paired 95% interval) | wall in all | "
              "setup · warm start · start-up · RL · evaluations |", "| --- | --- | --- | ---: | --- |"]
+    conditions: dict[str, list[dict[str, Any]]] = {}
     for run in data["runs"]:
-        summary = run["summary"]
-        heldout, change, phases = summary["heldout"], summary["heldout_change"], summary["phases_s"]
-        setup = f"{run['setup_s']:.0f} s" if run.get("setup_s") is not None else "—"
-        split = " · ".join([setup] + [f"{phases.get(name, 0):.0f} s"
-                                      for name in ("warm start", "startup", "RL", "held-out eval")])
-        lines.append(f"| {run['name']} | {run['host']} | {100 * heldout[0]['success']:.1f}% → "
-                     f"{100 * heldout[-1]['success']:.1f}%: {_points(change['gain'])} "
-                     f"({_points(change['low'])} to {_points(change['high'])}) | "
-                     f"{run['wall_s'] / 60:.1f} min | {split} |")
+        conditions.setdefault(run.get("condition") or run["name"], []).append(run)
+    for condition, runs in conditions.items():
+        summaries = [run["summary"] for run in runs]
+        starts = [100 * s["heldout"][0]["success"] for s in summaries]
+        ends = [100 * s["heldout"][-1]["success"] for s in summaries]
+        changes = [s["heldout_change"] for s in summaries]
+        setups = [run["setup_s"] for run in runs if run.get("setup_s") is not None]
+        split = " · ".join([_span(setups, "{:.0f}", " s") if setups else "—"]
+                           + [_span([s["phases_s"].get(name, 0) for s in summaries], "{:.0f}", " s")
+                              for name in ("warm start", "startup", "RL", "held-out eval")])
+        wall = _span([run["wall_s"] / 60 for run in runs], "{:.1f}", " min")
+        if len(runs) == 1:
+            change = changes[0]
+            outcome = (f"{_points(change['gain'])} ({_points(change['low'])} to "
+                       f"{_points(change['high'])})")
+            name = condition
+        else:
+            gains = [c["gain"] for c in changes]
+            outcome = (f"{_points(min(gains))} to {_points(max(gains))} (every run's interval above "
+                       f"{_points(min(c['low'] for c in changes))})")
+            name = f"{condition}: {len(runs)} runs, {runs[0]['date']} to {runs[-1]['date']}"
+        lines.append(f"| {name} | {runs[0]['host']} | {_span(starts, '{:.1f}', '%')} → "
+                     f"{_span(ends, '{:.1f}', '%')}: {outcome} | {wall} | {split} |")
     return "\n".join(lines) + "\n"
 
 

@@ -749,3 +749,26 @@ def test_the_results_pages_generated_tables_are_what_their_committed_data_gives(
         if path.name != "staleness_10seeds.json":
             shutil.copy(path, tmp_path / "docs" / "results")
     assert results_page.render(text, root=tmp_path)[1] == ["staleness_ten_seeds"]
+
+
+def test_repeated_main_job_runs_fold_into_one_row_with_their_spread() -> None:
+    """Runs sharing a condition are repeats of one experiment: one row giving the range of their scores,
+    gains and times, and the lowest of their intervals; a run of its own keeps its own interval."""
+    from benchmarks import results_page
+
+    def run(name: str, end: float, gain: float, low: float, wall_s: float, condition: str | None) -> dict:
+        summary = {"heldout": [{"success": 0.1}, {"success": end}],
+                   "heldout_change": {"gain": gain, "low": low, "high": gain + 0.07},
+                   "phases_s": {"warm start": 0, "startup": 40, "RL": wall_s / 2, "held-out eval": 300}}
+        return {"name": name, "host": "Xeon", "date": "2026-11-2" + name[-1], "setup_s": None,
+                "wall_s": wall_s, "summary": summary, **({"condition": condition} if condition else {})}
+
+    data = {"runs": [run("alone 1", 0.5, 0.4, 0.3, 600, None),
+                     run("again 2", 0.9, 0.8, 0.72, 600, "cached"),
+                     run("again 3", 0.95, 0.85, 0.78, 900, "cached")]}
+    rows = results_page.main_job_other_runs(data).splitlines()[2:]
+    assert rows == [
+        "| alone 1 | Xeon | 10.0% → 50.0%: +40.0 (+30.0 to +47.0) | 10.0 min | "
+        "— · 0 s · 40 s · 300 s · 300 s |",
+        "| cached: 2 runs, 2026-11-22 to 2026-11-23 | Xeon | 10.0% → 90.0–95.0%: +80.0 to +85.0 (every run's "
+        "interval above +72.0) | 10.0–15.0 min | — · 0 s · 40 s · 300–450 s · 300 s |"]
