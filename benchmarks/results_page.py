@@ -112,7 +112,13 @@ def _gpu_part_figure(name: str, result: dict[str, Any]) -> str:
         peaks = result.get("matmul_peak_gflops", {})
         return (f"{result.get('gpu')}, torch {result.get('torch')}; matmul peak bf16 "
                 f"{peaks.get('bfloat16', 0) / 1000:.0f}, fp32 {peaks.get('float32', 0) / 1000:.1f} TFLOP/s")
-    if name.startswith("train"):
+    if name == "main_job" and result.get("heldout_change"):
+        heldout, change = result["heldout"], result["heldout_change"]
+        gain, low, high = (100 * change[key] for key in ("gain", "low", "high"))
+        return (f"held-out {heldout[0]['success']:.1%} → {heldout[-1]['success']:.1%} "
+                f"({gain:+.1f} points, {low:+.1f} to {high:+.1f}); {result['steps']} steps, "
+                f"{result['step_s_mean']:.1f} s per step; {result['wall_s']:.0f} s in all")
+    if name.startswith(("train", "main_job")):
         figure = f"{result['steps']} steps, {result['step_s_mean']:.1f} s per step"
         if result.get("lag0_steps"):
             figure += f"; at lag 0 the largest log-ratio {result['lag0_max_abs_log_ratio']:.1e} in size"

@@ -8,9 +8,10 @@
 # Options: --out DIR (default runs/gpu_check, or $OUT where set), --parts a,b (scripts/gpu_check.py
 # lists them), --budget SECONDS (all parts together, default 480; ×3 with --rehearse).
 # The venv sees the base Python's packages (torch with CUDA, transformers, ...) through a .pth file and
-# gets everything else from .gpu/wheels-cpXY only (pip --no-index). The default model travels as the
-# two halves of its GGUF (.gpu/model-a, .gpu/model-b; a device call carries at most 64 MiB) and is
-# converted into a fresh cache, so the warm start runs as on a new machine.
+# gets everything else from .gpu/wheels-cpXY only (pip --no-index). The default model travels as its
+# GGUF in three parts (.gpu/model-1..3, one per device call: a call carries at most 64 MiB with the
+# working tree; .gpu/model-meta holds its name and digest) and is converted into a fresh cache, so the
+# warm start runs as on a new machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -70,21 +71,24 @@ if { [ "${VCPO_GPU_CHECK_BWRAP:-}" = carried ] || ! command -v bwrap >/dev/null 
   chmod +x "$VENV/bin/bwrap"
 fi
 
-# --- the default model from its two carried halves (checked against the digest taken here)
-if [ -f .gpu/model-a/part ] && [ -f .gpu/model-b/part ]; then
+# --- the default model from its carried parts (checked against the digest taken here)
+want=$(cat .gpu/model-meta/parts 2>/dev/null || echo 0)
+have=$(ls .gpu/model-[0-9]*/part 2>/dev/null | wc -l)
+if [ "$want" -gt 0 ] && [ "$have" = "$want" ]; then
   gguf_dir=$VCPO_CACHE_DIR/gguf
   mkdir -p "$gguf_dir"
-  gguf=$gguf_dir/$(cat .gpu/model-b/name)
-  cat .gpu/model-a/part .gpu/model-b/part > "$gguf"
-  if [ "$(sha256sum "$gguf" | cut -d' ' -f1)" = "$(cat .gpu/model-b/sha256)" ]; then
+  gguf=$gguf_dir/$(cat .gpu/model-meta/name)
+  for n in $(seq 1 "$want"); do cat ".gpu/model-$n/part"; done > "$gguf"
+  if [ "$(sha256sum "$gguf" | cut -d' ' -f1)" = "$(cat .gpu/model-meta/sha256)" ]; then
     "$VENV/bin/python" -c "import sys; from pathlib import Path; from rollout.models import ensure_default_model; \
 ensure_default_model(Path(sys.argv[1]) / 'models', gguf=Path(sys.argv[2]))" "$VCPO_CACHE_DIR" "$gguf" >>"$LOG" 2>&1 \
       && say "default model converted into $VCPO_CACHE_DIR/models" || say "default model conversion failed (see $LOG)"
   else
-    say "default model halves do not match their digest: the training parts will fail"
+    say "default model parts do not match their digest: the training parts will fail"
   fi
 else
-  say "default model not carried (.gpu/model-a/part, .gpu/model-b/part): the training parts will fail"
+  say "default model not all here ($have of ${want:-?} parts of .gpu/model-N/part; carry .gpu/model-meta and" \
+      "one part per call): the training parts will fail"
 fi
 say "environment ready in $(( $(date +%s) - t0 )) s ($VENV over $BASE)"
 

@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_wheels.sh                 # wheels for the GPU machine's Python (3.12) -> .gpu/wheels-cp312
 #   bash scripts/gpu_wheels.sh --python 3.11   # wheels for this machine's Python (the --rehearse run)
-#   bash scripts/gpu_wheels.sh --model         # also the default model (GGUF), split in two halves
+#   bash scripts/gpu_wheels.sh --model         # also the default model (GGUF), split in three parts
 #   bash scripts/gpu_wheels.sh --python 3.11 --base   # and .gpu/base-venv: a stand-in for the GPU image's
 #                                                     # Python (torch, transformers, ...) for --rehearse
 #
@@ -49,13 +49,19 @@ rm -f "$dest"/vcpo-*.whl  # the project is not installed there: its venv puts th
 
 if [ "$WITH_MODEL" = 1 ]; then
   gguf=$(.venv/bin/python -c "from rollout.models import find_default_gguf; print(find_default_gguf())")
-  mkdir -p .gpu/model-a .gpu/model-b
-  # Two halves: each device call carries at most 64 MiB, the GGUF is ~94 MiB.
-  half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
-  head -c "$half" "$gguf" > .gpu/model-a/part
-  tail -c +"$((half + 1))" "$gguf" > .gpu/model-b/part
-  basename "$gguf" > .gpu/model-b/name
-  sha256sum "$gguf" | cut -d' ' -f1 > .gpu/model-b/sha256
+  # Three parts of ~31 MiB: a device call carries at most 64 MiB with the working tree (~21 MiB), the
+  # GGUF is ~94 MiB. The first call carries the wheels and part 1; each later call one more part.
+  rm -rf .gpu/model-[0-9]* .gpu/model-meta
+  mkdir -p .gpu/model-meta
+  split -n 3 --numeric-suffixes=1 -a 1 "$gguf" .gpu/model-meta/part-
+  for piece in .gpu/model-meta/part-*; do
+    n=${piece##*-}
+    mkdir -p ".gpu/model-$n"
+    mv "$piece" ".gpu/model-$n/part"
+  done
+  basename "$gguf" > .gpu/model-meta/name
+  sha256sum "$gguf" | cut -d' ' -f1 > .gpu/model-meta/sha256
+  echo 3 > .gpu/model-meta/parts
 fi
 if [ "$WITH_BASE" = 1 ]; then
   # What the GPU image holds and vcpo uses, at the image's versions where they matter (transformers
@@ -64,7 +70,7 @@ if [ "$WITH_BASE" = 1 ]; then
   .gpu/base-venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 transformers==5.17.0 \
     accelerate==1.15.0 numpy pyyaml httpx msgpack pyarrow pandas tqdm pytest pytest-timeout safetensors \
     sympy xxhash fsspec huggingface-hub requests filelock packaging jinja2 psutil setuptools \
-    typing-extensions einops matplotlib
+    typing-extensions einops matplotlib attrs
 fi
 
 # bubblewrap for the sandboxed tool, should the machine lack it (unpacked there, never installed)

@@ -62,7 +62,7 @@ def test_every_part_command_is_a_valid_config(gpu_check: ModuleType, tmp_path: P
         device = getattr(loaded, "device", None) or getattr(getattr(loaded, "learner", None), "device", None)
         assert device == ("cpu" if rehearse else "cuda"), (part.name, device)
         checked.append(part.name)
-    assert {"train_default", "train_lag0_fp32", "bench_learner_bf16", "bench_megatron_bf16",
+    assert {"main_job", "train_lag0_fp32", "bench_learner_bf16", "bench_megatron_bf16",
             "bench_opob_fp32", "staleness_tiny"} <= set(checked)
 
 
@@ -71,6 +71,39 @@ def test_the_lag0_part_trains_at_lag_0_in_fp32(gpu_check: ModuleType, tmp_path: 
     _, config, overrides = _config_and_overrides(part.argv(tmp_path, False))
     run = load_config(config, RunConfig, overrides)
     assert run.rollout.max_lag == 0 and run.learner.autocast == "none" and run.model.dtype == "float32"
+
+
+def test_the_main_job_part_is_the_default_run_whole_on_the_gpu(gpu_check: ModuleType, tmp_path: Path) -> None:
+    """The GPU form changes only where the run happens and how many held-out episodes share a batch:
+    the default run's steps, held-out prompts, algorithm and numerics are the main job's."""
+    part = next(p for p in gpu_check.PARTS if p.name == "main_job")
+    _, config, overrides = _config_and_overrides(part.argv(tmp_path, False))
+    run, default = load_config(config, RunConfig, overrides), load_config(config, RunConfig, [])
+    assert run.engine["device"] == run.learner.device == "cuda" and run.engine["max_batch_size"] >= 128
+    assert run.trainer.eval_concurrency >= run.trainer.eval_samples == default.trainer.eval_samples
+    assert (run.trainer.total_steps, run.trainer.eval_every) == (default.trainer.total_steps,
+                                                                 default.trainer.eval_every)
+    assert run.algo == default.algo and run.optim == default.optim and run.warm_start == default.warm_start
+
+
+def test_the_main_job_part_reads_held_out_success_and_renders_one_figure(gpu_check: ModuleType,
+                                                                         tmp_path: Path) -> None:
+    from benchmarks.results_page import _gpu_part_figure
+
+    run_dir = tmp_path / "main_job"
+    run_dir.mkdir()
+    steps = [{"trainer_step": step, "train/trajectories": 16, "time/step": 4.0, "reward/mean": 0.5,
+              "staleness/max": min(step - 1, 2)} for step in range(1, 11)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    heldout = [{"step": 0, "success": 0.125, "prompts": 128}, {"step": 10, "success": 0.875, "prompts": 128}]
+    (run_dir / "summary.json").write_text(json.dumps({
+        "wall_s": 200.0, "phases_s": {"RL": 40.0}, "heldout": heldout,
+        "heldout_change": {"gain": 0.75, "low": 0.68, "high": 0.82}}))
+    result = gpu_check._main_job_summary(tmp_path, False)
+    assert result["steps"] == 10 and result["heldout"] == heldout and result["wall_s"] == 200.0
+    assert _gpu_part_figure("main_job", result) == (
+        "held-out 12.5% → 87.5% (+75.0 points, +68.0 to +82.0); 10 steps, 4.0 s per step; 200 s in all")
+    assert _gpu_part_figure("main_job", {"steps": 3, "step_s_mean": 4.0}) == "3 steps, 4.0 s per step"
 
 
 def test_rehearsal_env_part_writes_the_report(tmp_path: Path) -> None:
@@ -88,7 +121,7 @@ def test_rehearsal_env_part_writes_the_report(tmp_path: Path) -> None:
 def test_an_unknown_part_is_refused_with_the_known_ones(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), "--parts", "nope", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "unknown parts ['nope']" in done.stderr and "train_default" in done.stderr
+    assert done.returncode == 2 and "unknown parts ['nope']" in done.stderr and "main_job" in done.stderr
 
 
 PRODUCT_PACKAGES = ("agent_env", "benchmarks", "cli", "configs", "learner", "rollout", "tools", "vcpo")
