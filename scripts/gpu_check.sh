@@ -73,8 +73,9 @@ fi
 
 # --- the default model from its carried parts (checked against the digest taken here)
 want=$(cat .gpu/model-meta/parts 2>/dev/null || echo 0)
-have=$(ls .gpu/model-[0-9]*/part 2>/dev/null | wc -l)
-if [ "$want" -gt 0 ] && [ "$have" = "$want" ]; then
+missing=$(for n in $(seq 1 "$want"); do [ -f ".gpu/model-$n/part" ] || printf '%s ' "$n"; done)
+missing=${missing% }
+if [ "$want" -gt 0 ] && [ -z "$missing" ]; then
   gguf_dir=$VCPO_CACHE_DIR/gguf
   mkdir -p "$gguf_dir"
   gguf=$gguf_dir/$(cat .gpu/model-meta/name)
@@ -87,8 +88,8 @@ ensure_default_model(Path(sys.argv[1]) / 'models', gguf=Path(sys.argv[2]))" "$VC
     say "default model parts do not match their digest: the training parts will fail"
   fi
 else
-  say "default model not all here ($have of ${want:-?} parts of .gpu/model-N/part; carry .gpu/model-meta and" \
-      "one part per call): the training parts will fail"
+  say "default model not all here (.gpu/model-meta/parts says $want; missing: ${missing:-the meta file itself}): carry" \
+      ".gpu/model-meta and one .gpu/model-N per call; the training parts will fail"
 fi
 say "environment ready in $(( $(date +%s) - t0 )) s ($VENV over $BASE)"
 

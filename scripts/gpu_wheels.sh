@@ -51,9 +51,10 @@ if [ "$WITH_MODEL" = 1 ]; then
   gguf=$(.venv/bin/python -c "from rollout.models import find_default_gguf; print(find_default_gguf())")
   # Three parts of ~31 MiB: a device call carries at most 64 MiB with the working tree (~21 MiB), the
   # GGUF is ~94 MiB. The first call carries the wheels and part 1; each later call one more part.
+  parts=3
   rm -rf .gpu/model-[0-9]* .gpu/model-meta
   mkdir -p .gpu/model-meta
-  split -n 3 --numeric-suffixes=1 -a 1 "$gguf" .gpu/model-meta/part-
+  split -n "$parts" --numeric-suffixes=1 -a 1 "$gguf" .gpu/model-meta/part-
   for piece in .gpu/model-meta/part-*; do
     n=${piece##*-}
     mkdir -p ".gpu/model-$n"
@@ -61,7 +62,7 @@ if [ "$WITH_MODEL" = 1 ]; then
   done
   basename "$gguf" > .gpu/model-meta/name
   sha256sum "$gguf" | cut -d' ' -f1 > .gpu/model-meta/sha256
-  echo 3 > .gpu/model-meta/parts
+  echo "$parts" > .gpu/model-meta/parts
 fi
 if [ "$WITH_BASE" = 1 ]; then
   # What the GPU image holds and vcpo uses, at the image's versions where they matter (transformers
