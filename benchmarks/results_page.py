@@ -104,6 +104,64 @@ def staleness_matrix(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _kept_text(entry: dict[str, Any], share: float) -> str:
+    """"keeps ≥ 95%, resolved" / "loses > 20%, not resolved": a retention row read against the line at `share`
+    of the k = 0 score (0.95 or 0.80), from its point estimate, and whether the seeds resolve it."""
+    if share == 0.95:
+        loses, resolved = entry["loses_more_than_5pct"], entry["resolved"]
+        side = "loses more than 5%" if loses else "keeps ≥ 95%"
+    else:
+        loses, resolved = entry["loses_at_least_20pct"], entry["resolved_20pct"]
+        side = "loses ≥ 20%" if loses else "keeps > 80%"
+    return f"{side}, {'resolved' if resolved else 'not resolved'}"
+
+
+def staleness_answer(data: dict[str, Any]) -> str:
+    """The issue's plain answer at the summary's largest k, read from its retention rows: does each VCPO form
+    keep ≥ 95% of its k = 0 score while uncorrected GRPO loses ≥ 20%? "yes" or "no" only where the seeds
+    resolve both halves (a resolved miss of either half is a "no"), else "not resolved", with what the
+    means say."""
+    numerics = next(e["numerics"] for e in data["summary"] if e["status"] == "ok")
+    kept = {r["method"]: r for r in data["retention"]
+            if r["numerics"] == numerics and r["lag"] == max(data["config"]["lags"])}
+    top = max(data["config"]["lags"])
+    seeds = ", ".join(map(str, data["config"]["seeds"]))
+    cells = {(e["method"], e["lag"]): e["seeds"] for e in data["summary"]
+             if e["status"] == "ok" and e["numerics"] == numerics}
+
+    def share(entry: dict[str, Any]) -> str:
+        half = entry["retention_ci95"]
+        return f"{100 * entry['retention']:.0f}%" + (f" ± {100 * half:.0f}%" if half is not None else "")
+
+    grpo = kept.get("grpo")
+    parts = []
+    if grpo is not None:
+        parts.append(f"uncorrected GRPO keeps {share(grpo)} of its k = 0 score ({_kept_text(grpo, 0.80)})")
+    answers = []
+    for method in ("vcpo_spec", "vcpo_reference"):
+        entry = kept.get(method)
+        if entry is None:
+            continue
+        label = STALENESS_LABELS[method]
+        parts.append(f"{label} {share(entry)} ({_kept_text(entry, 0.95)})")
+        if grpo is None:
+            answers.append(f"{label}: not answered (GRPO not run at k = {top})")
+            continue
+        vcpo_yes, grpo_yes = not entry["loses_more_than_5pct"], grpo["loses_at_least_20pct"]
+        if (entry["resolved"] and not vcpo_yes) or (grpo["resolved_20pct"] and not grpo_yes):
+            verdict = "**no**"
+        elif entry["resolved"] and grpo["resolved_20pct"]:
+            verdict = "**yes**"
+        else:
+            counts = [cells[(name, lag)] for name in (method, "grpo") for lag in (0, top)]
+            many = f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}–{max(counts)}"
+            verdict = (f"**not resolved** on {many} seeds (the means say "
+                       f"{'yes' if vcpo_yes and grpo_yes else 'no'})")
+        answers.append(f"{label}: {verdict}")
+    return (f"At k = {top} (seeds {seeds}): " + "; ".join(parts) + ". Does VCPO keep ≥ 95% while GRPO loses "
+            "≥ 20%? " + "; ".join(answers) + ".\n")
+
+
 def _gpu_part_figure(name: str, result: dict[str, Any]) -> str:
     """The one figure a reader wants from each part of the GPU check."""
     if not result or all(value is None for value in result.values()):
@@ -376,6 +434,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "staleness_ten_seeds": staleness_ten_seeds,
     "staleness_matrix": staleness_matrix,
     "staleness_timed": format_timed,
+    "staleness_answer": staleness_answer,
     "main_job_seeds": main_job_seeds,
     "main_job_readme": main_job_readme,
     "main_job_other_runs": main_job_other_runs,

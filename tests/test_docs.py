@@ -772,3 +772,28 @@ def test_repeated_main_job_runs_fold_into_one_row_with_their_spread() -> None:
         "— · 0 s · 40 s · 300 s · 300 s |",
         "| cached: 2 runs, 2026-11-22 to 2026-11-23 | Xeon | 10.0% → 90.0–95.0%: +80.0 to +85.0 (every run's "
         "interval above +72.0) | 10.0–15.0 min | — · 0 s · 40 s · 300–450 s · 300 s |"]
+
+
+def test_the_staleness_answer_says_yes_or_no_only_where_the_seeds_resolve_both_halves() -> None:
+    """The plain answer at the largest k is read from the retention rows: "yes" when VCPO keeps ≥ 95% and
+    GRPO loses ≥ 20%, both resolved; "no" when either half is resolved against; else "not resolved", with
+    what the means say."""
+    from benchmarks import results_page
+    from benchmarks.staleness.bench import retention_table
+
+    def answer(grpo_k32: list[float], vcpo_k32: list[float]) -> str:
+        per_seed = {("grpo", 0): [0.80, 0.82, 0.84], ("grpo", 32): grpo_k32,
+                    ("vcpo_spec", 0): [0.90, 0.91, 0.92], ("vcpo_spec", 32): vcpo_k32}
+        summary = [{"method": method, "lag": lag, "numerics": "fp32", "status": "ok", "seeds": len(scores),
+                    "final_success": sum(scores) / len(scores), "final_success_ci95": 0.05,
+                    "final_success_per_seed": scores} for (method, lag), scores in per_seed.items()]
+        data = {"config": {"lags": [0, 32], "seeds": [2, 4, 5]}, "summary": summary,
+                "retention": retention_table(summary)}
+        return results_page.staleness_answer(data)
+
+    assert answer([0.00, 0.01, 0.02], [0.90, 0.91, 0.92]).endswith("VCPO, spec OPOB: **yes**.\n")
+    assert answer([0.80, 0.82, 0.84], [0.90, 0.91, 0.92]).endswith("VCPO, spec OPOB: **no**.\n")
+    assert answer([0.00, 0.01, 0.02], [0.50, 0.52, 0.54]).endswith("VCPO, spec OPOB: **no**.\n")
+    unresolved = answer([0.00, 0.80, 0.10], [0.90, 0.91, 0.92])
+    assert "GRPO keeps 37%" in unresolved and "(loses ≥ 20%, not resolved)" in unresolved
+    assert unresolved.endswith("**not resolved** on 3 seeds (the means say yes).\n")
