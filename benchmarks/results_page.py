@@ -104,16 +104,19 @@ def staleness_matrix(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_RETENTION_LINES = {
+    0.95: ("loses_more_than_5pct", "resolved", "loses more than 5%", "keeps ≥ 95%"),
+    0.80: ("loses_at_least_20pct", "resolved_20pct", "loses ≥ 20%", "keeps > 80%"),
+}
+"""Per line (a share of the k = 0 score) the retention row's keys for its point answer and its resolution,
+and the words for either side."""
+
+
 def _kept_text(entry: dict[str, Any], share: float) -> str:
-    """"keeps ≥ 95%, resolved" / "loses > 20%, not resolved": a retention row read against the line at `share`
-    of the k = 0 score (0.95 or 0.80), from its point estimate, and whether the seeds resolve it."""
-    if share == 0.95:
-        loses, resolved = entry["loses_more_than_5pct"], entry["resolved"]
-        side = "loses more than 5%" if loses else "keeps ≥ 95%"
-    else:
-        loses, resolved = entry["loses_at_least_20pct"], entry["resolved_20pct"]
-        side = "loses ≥ 20%" if loses else "keeps > 80%"
-    return f"{side}, {'resolved' if resolved else 'not resolved'}"
+    """"keeps ≥ 95%, resolved" / "loses ≥ 20%, not resolved": a retention row read against the line at `share`
+    of the k = 0 score, from its point estimate, and whether the seeds resolve it."""
+    loses_key, resolved_key, loses, keeps = _RETENTION_LINES[share]
+    return f"{loses if entry[loses_key] else keeps}, {'resolved' if entry[resolved_key] else 'not resolved'}"
 
 
 def staleness_answer(data: dict[str, Any]) -> str:
@@ -122,9 +125,8 @@ def staleness_answer(data: dict[str, Any]) -> str:
     resolve both halves (a resolved miss of either half is a "no"), else "not resolved", with what the
     means say."""
     numerics = next(e["numerics"] for e in data["summary"] if e["status"] == "ok")
-    kept = {r["method"]: r for r in data["retention"]
-            if r["numerics"] == numerics and r["lag"] == max(data["config"]["lags"])}
     top = max(data["config"]["lags"])
+    kept = {r["method"]: r for r in data["retention"] if r["numerics"] == numerics and r["lag"] == top}
     seeds = ", ".join(map(str, data["config"]["seeds"]))
     cells = {(e["method"], e["lag"]): e["seeds"] for e in data["summary"]
              if e["status"] == "ok" and e["numerics"] == numerics}
