@@ -726,17 +726,24 @@ def plot_staleness(result: dict[str, Any], out_dir: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     fig, ax = plt.subplots(figsize=(8, 5))
-    for method in methods:
+    for m_index, method in enumerate(methods):
         points = []
-        for lag in lags:
+        # each seed's own score as a faint dot beside the mean, so a mean pulled by one seed shows as such
+        offset = 0.04 * (m_index - (len(methods) - 1) / 2)
+        for position, lag in enumerate(lags):
             finals = [r["final_success"] for r in runs if r["method"] == method and r["lag"] == lag]
             if finals:
-                points.append((str(lag), statistics.fmean(finals)))
+                points.append((position, statistics.fmean(finals)))
+                ax.scatter([position + offset] * len(finals), finals, s=12, alpha=0.45, color=colors[method])
         ax.plot([p[0] for p in points], [p[1] for p in points],
                 "o-" if method.startswith("vcpo") else "s--", color=colors[method], label=method)
+    ax.set_xticks(range(len(lags)), [str(lag) for lag in lags])
     if result["initial_success"] is not None:
         ax.axhline(result["initial_success"], color="grey", lw=0.8, ls=":", label="starting policy")
-    ax.set(title="final policy: success probability vs lag k", xlabel="k", ylabel="P(correct)",
+    # the real preset's score is sampled on held-out prompts, not an exact probability
+    score, ylabel = (("held-out success", "held-out success") if result.get("preset") == "real"
+                     else ("success probability", "P(correct)"))
+    ax.set(title=f"final policy: {score} vs lag k (line: mean; dots: seeds)", xlabel="k", ylabel=ylabel,
            ylim=(0, 1.02))
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
