@@ -311,7 +311,7 @@ def summarize(bench: StalenessRealBenchConfig, rows: list[dict[str, Any]], root:
                    cpu_s=result["cpu_s"], initial_success_per_seed=result["initial_success_per_seed"])
     (root / "summary.json").write_text(json.dumps(compact, indent=1, allow_nan=True))
     try:
-        result["plots"] = [str(p) for p in plot_staleness(result, root)]
+        result["plots"] = [str(p) for p in plot_staleness(result, root, score="held-out success")]
     except ImportError as exc:  # matplotlib is a dev extra: the figures are kept, the plots skipped
         result["plots"], result["plots_skipped"] = [], f"{exc}; pip install matplotlib to draw them"
     return result
