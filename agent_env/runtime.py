@@ -2,7 +2,7 @@
 (`data_index`), the agent loop's settings from a task (`episode_settings`), one task's runtime
 (`TaskRuntime`: samples, reward, tokenizer, engine, tool) and the group runner the manager calls for
 each ticket. `RolloutRuntime` is what the training loop needs of the rollout side: a `TaskRuntime` in
-one process, or the Ray launcher's pool of rollout actors (learner/launch/ray_launcher.py).
+one process, or the Ray launcher's pool of rollout actors (run/launch/ray_launcher.py).
 
 What it does not do: admit groups, bound the lag or retry (rollout/manager.py), or train.
 """
@@ -21,7 +21,7 @@ from agent_env.samples import Sample
 from configs.task_schema import TaskConfig
 from rollout.base import InferenceEngine
 from rollout.manager import GroupTicket, RunGroup, WeightTarget
-from rollout.progress import SAMPLED_TOKENS
+from rollout.request_record import SAMPLED_TOKENS
 from rollout.trajectory import Trajectory
 from tools.base import Tool
 from tools.functions import Toolbox
@@ -122,8 +122,8 @@ class TaskRuntime:
 
 
 class RolloutRuntime(Protocol):
-    """What the training loop (`learner.train.trainer.train`) needs of the rollout side: a `TaskRuntime`
-    in its process, or the Ray launcher's pool of rollout actors (learner/launch/ray_launcher.py)."""
+    """What the training loop (`run.train.trainer.train`) needs of the rollout side: a `TaskRuntime`
+    in its process, or the Ray launcher's pool of rollout actors (run/launch/ray_launcher.py)."""
 
     task: TaskConfig
     tokenizer: PreTrainedTokenizerBase

@@ -14,7 +14,7 @@
 `schema` holds their configurations, `configs/` (`BENCH_CONFIG_ROOT`) the shipped presets, and
 `results_page` renders docs/results.md's and the README's tables from the committed JSON.
 
-May import: `vcpo`, `configs`, `tools`, `rollout`, `agent_env`, `learner`. The `vcpo` command above it
+May import: `vcpo`, `configs`, `tools`, `rollout`, `agent_env`, `learner`, `run`. The `vcpo` command above it
 imports a benchmark only when it runs one.
 
 Its top modules may import: `benchmarks.staleness` (the results page renders the staleness tables).

@@ -54,10 +54,10 @@ from benchmarks.schema import AsyncBenchConfig
 from benchmarks.step_mix import mean_by_kind, mix_adjusted_mean
 from configs.loader import load_config
 from configs.schema import RunConfig
-from learner.launch.host import host_description
-from learner.launch.run import run_training
-from learner.observability.metrics_log import read_metrics
-from learner.train.compose import engine_settings, load_task
+from run.launch.host import host_description
+from run.launch.training import run_training
+from run.observability.metrics_log import read_metrics
+from run.train.wiring import engine_settings, load_task
 
 _SUMS = {"train_s": "time/train", "weight_sync_s": "time/weight_sync", "idle_learner_s": "time/idle_learner",
          "generate_s": "time/generate", "idle_rollout_s": "time/idle_rollout", "tokens": "tokens/generated",

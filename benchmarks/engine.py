@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from learner.launch.host import host_description
 from rollout.errors import EngineError, EngineTimeout, EngineUnavailable, MalformedResponse
 from rollout.models import load_tokenizer, resolve_model
+from run.launch.host import host_description
 
 log = logging.getLogger(__name__)
 

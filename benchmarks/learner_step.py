@@ -51,9 +51,9 @@ from configs.schema import AlgoConfig, MegatronConfig, OptimConfig
 from learner.backends.torch_learner import StepInput, TorchLearner
 from learner.forward.fused_layers import resolve as resolve_fused_elementwise
 from learner.forward.logprobs import native_bf16
-from learner.launch.host import host_description
-from learner.train.build import learner_device
 from rollout.trajectory import Trajectory, TrajectoryVersions
+from run.launch.host import host_description
+from run.train.learner_setup import learner_device
 
 log = logging.getLogger(__name__)
 

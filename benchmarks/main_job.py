@@ -23,8 +23,8 @@ from typing import Any
 
 from agent_env.heldout import HeldoutResult, paired_change, result_from_file
 from benchmarks.schema import MainJobBenchConfig
-from learner.observability.trend import reward_trend
-from learner.train.warm_start import is_search_program
+from run.observability.trend import reward_trend
+from run.train.warm_start import is_search_program
 
 EVIDENCE_FILES = ("config.yaml", "task.yaml", "summary.json", "metrics.jsonl", "trajectories.jsonl")
 """A run's small files kept per seed, beside its `eval/` folder (checkpoints and exports stay behind)."""

@@ -36,9 +36,9 @@ from benchmarks.schema import OpobBenchConfig
 from learner.forward.logprobs import packed_target_logprobs
 from learner.forward.packing import PackedMicroBatch, TargetPadding, TrajectoryTokens, pack_trajectories
 from learner.forward.varlen_attention import register_varlen_sdpa
-from learner.launch.host import host_description
-from learner.train.build import learner_device
 from learner.traj_grads.opob_grad import accumulate_opob_grad_packed, accumulate_opob_grad_per_trajectory
+from run.launch.host import host_description
+from run.train.learner_setup import learner_device
 from vcpo.groups import group_std, index_groups
 from vcpo.is_weights import ess_ratio, sequence_is_weights, truncated_is_weights
 from vcpo.objectives import PolicyLossInputs

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from learner.launch.host import host_description
+from run.launch.host import host_description
 from tools.base import ToolCall
 from tools.sandbox.local_sandbox import LocalPythonSandbox
 from tools.settings import LocalSandboxSettings

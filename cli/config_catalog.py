@@ -83,9 +83,9 @@ def bench_command_schema(name: str, config: Path | None) -> type:
 
 
 def check_task_config(path: str | Path, overrides: Sequence[str] = ()) -> TaskConfig:
-    """Load a task YAML and check what its schema cannot (`learner.train.compose.load_task`: the tool
+    """Load a task YAML and check what its schema cannot (`run.train.wiring.load_task`: the tool
     spec and that the reward builds). Raises ConfigError listing every problem."""
-    from learner.train.compose import load_task
+    from run.train.wiring import load_task
 
     return load_task(path, overrides)[0]
 
@@ -99,13 +99,13 @@ _VALIDATORS: dict[str, Callable[[Path], Any]] = {
 
 def check_run_config(path: Path) -> RunConfig:
     """A run config, with its task file (plus `task_overrides`) and its engine section checked too."""
-    from learner.train.compose import engine_settings, resolve_task_path
+    from run.train.wiring import engine_settings, resolve_task_path
 
     config = load_config(path, RunConfig)
     check_task_config(resolve_task_path(config.task, Path(path).parent), config.task_overrides)
     engine_settings(config.engine, str(path))
     if config.launcher == "ray":
-        from learner.launch.ray_launcher import RayLaunchError, check_layout
+        from run.launch.ray_launcher import RayLaunchError, check_layout
 
         try:
             check_layout(config)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent_env.evaluate import EvalFileError, evaluate
 from agent_env.runtime import episode_settings
-from learner.train.compose import engine_settings, load_task, task_runtime
+from run.train.wiring import engine_settings, load_task, task_runtime
 
 if TYPE_CHECKING:
     from rollout.engines.openai_engine import ServedModel

@@ -37,10 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from agent_env.datasets import DatasetError
     from agent_env.rewards import RewardConfigError
     from configs.loader import ConfigError
-    from learner.observability.console import terminal
-    from learner.train.checkpointing import CheckpointWriteError
     from rollout.errors import EngineError, EngineUnavailable
     from rollout.models import ModelLoadError
+    from run.observability.console import terminal
+    from run.train.checkpointing import CheckpointWriteError
     from tools.base import ToolConfigError, ToolUnavailableError
 
     user_errors = (ConfigError, ModelLoadError, DatasetError, RewardConfigError, ToolConfigError,
@@ -145,7 +145,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _trend(args: argparse.Namespace) -> int:
-    from learner.observability.trend import TrendError, format_trend, pooled_trend, reward_trend
+    from run.observability.trend import TrendError, format_trend, pooled_trend, reward_trend
 
     options = {"block": args.block, "success": args.success, "resamples": args.resamples}
     try:
@@ -172,7 +172,7 @@ def _config_check(args: argparse.Namespace) -> int:
     from cli.config_catalog import bench_schema_of, is_bench_config
     from configs.loader import load_config, read_yaml_tree
     from configs.schema import RunConfig
-    from learner.train.compose import engine_settings, load_task
+    from run.train.wiring import engine_settings, load_task
 
     raw = read_yaml_tree(args.file)
     if isinstance(raw, dict) and "prompt" in raw and "reward" in raw:  # a task file
@@ -245,7 +245,7 @@ def _bench(args: argparse.Namespace) -> int:
         bench = _bench_config(args, bench_command_schema("staleness", args.config))
         if isinstance(bench, StalenessRealBenchConfig):
             from benchmarks.staleness.real import run_real_staleness_bench
-            from learner.train.compose import PACKAGE_ROOT
+            from run.train.wiring import PACKAGE_ROOT
 
             result = run_real_staleness_bench(bench, PACKAGE_ROOT, _cache_dir(), progress=_progress)
         elif isinstance(bench, StalenessTimedBenchConfig):
@@ -259,7 +259,7 @@ def _bench(args: argparse.Namespace) -> int:
         from benchmarks import BENCH_CONFIG_ROOT
         from benchmarks.main_job import run_main_job_bench
         from benchmarks.schema import MainJobBenchConfig
-        from learner.train.compose import PACKAGE_ROOT
+        from run.train.wiring import PACKAGE_ROOT
 
         if args.config is None:  # the seeds and the settings of the claim live in the shipped file
             args.config = BENCH_CONFIG_ROOT / "main_job.yaml"
@@ -290,8 +290,8 @@ def _sandbox_serve(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from learner.observability.metrics_log import MetricsFileError
-    from learner.observability.plot import plot_compare, plot_run
+    from run.observability.metrics_log import MetricsFileError
+    from run.observability.plot import plot_compare, plot_run
 
     try:
         if len(args.run_dir) == 1:
@@ -310,10 +310,10 @@ def _train(args: argparse.Namespace) -> int:
 
     from configs.loader import load_config, write_resolved_config
     from configs.schema import RunConfig
-    from learner.launch.allocator import active_allocator
-    from learner.launch.run import run_training
-    from learner.observability.console import divert_library_output
-    from learner.train.compose import engine_settings, load_task
+    from run.launch.allocator import active_allocator
+    from run.launch.training import run_training
+    from run.observability.console import divert_library_output
+    from run.train.wiring import engine_settings, load_task
 
     config = load_config(args.config, RunConfig, args.overrides)
     task, task_path = load_task(config.task, config.task_overrides, relative_to=args.config.parent)
@@ -356,8 +356,8 @@ def _train(args: argparse.Namespace) -> int:
 
 def _interrupted_message(config: Any, task: Any, run_dir: Path, cache_dir: Path) -> str:
     """What a Ctrl-C'd run keeps, and how to go on."""
-    from learner.train.checkpointing import latest_checkpoint
-    from learner.train.warm_start import warm_start_dir
+    from run.train.checkpointing import latest_checkpoint
+    from run.train.warm_start import warm_start_dir
 
     lines = ["vcpo train: stopped (Ctrl-C)."]
     checkpoint = latest_checkpoint(run_dir)

@@ -705,7 +705,7 @@ class LearnerConfig(StrictModel):
 
 
 class RayConfig(StrictModel):
-    """`launcher: ray` (learner/launch/ray_launcher.py): rollout workers, learner ranks and sandbox pools as
+    """`launcher: ray` (run/launch/ray_launcher.py): rollout workers, learner ranks and sandbox pools as
     Ray actors wrapping the same objects as local mode; the rollout manager stays on the driver."""
 
     address: str | None = None
@@ -756,7 +756,7 @@ class RayConfig(StrictModel):
 
 
 class WarmStartConfig(StrictModel):
-    """Cold-start SFT before RL on solver-written tool episodes (learner/train/warm_start.py;
+    """Cold-start SFT before RL on solver-written tool episodes (run/train/warm_start.py;
     Countdown tasks)."""
 
     enabled: bool = False

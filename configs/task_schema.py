@@ -7,7 +7,7 @@ to know about one problem set. Rows of the dataset become `agent_env.samples.Sam
 Checked here, at load time: placeholders exist, regexes compile with one group, a custom reward
 names its function, dataset paths use only the `{data_dir}` placeholder, `tool` and `tools` are not
 both set and several tools use function calling. Not checked here (this module imports only pydantic):
-the tool specs (`learner.train.compose.load_task` validates them with
+the tool specs (`run.train.wiring.load_task` validates them with
 `tools.registry.validate_tool_settings`), whether files exist, whether a custom reward imports.
 """
 

@@ -1,18 +1,14 @@
-"""The learner side and the composition root (it wires a run's objects from its config; the `vcpo`
-command above it, in `cli/`, reads the files), in subpackages by concern, each importing only those
-listed before it:
+"""The learner: trajectories in, one optimizer step out. It knows nothing of engines, agent loops, the
+training loop or Ray (those are the run's, in `run/`). Subpackages by concern, each importing only
+those listed before it:
 
-* `observability/` — metric names, metrics.jsonl / TensorBoard / W&B, trajectories.jsonl, the progress
-  line, plot, trend
 * `forward/` — packing trajectories into rows, varlen attention, target log-probs
 * `distributed/` — data-parallel collectives, weight transport to rollout workers
 * `traj_grads/` — exact per-trajectory gradient norms and VCPO's two-buffer gradient
 * `backends/` — the torch learner and the objective mapping; `backends/megatron/` — megatron-core
-* `train/` — wiring a run, the step loop, checkpoints, warm start
-* `launch/` — one run locally or across Ray (the driver and its actors)
 
-May import: `vcpo`, `rollout`, `tools`, `agent_env`, `configs`. tests/test_architecture.py enforces
-the direction, reading each package's own list.
+May import: `vcpo`, `rollout` (the trajectory and request types, the model loader, the weight-push
+group), `configs`. tests/test_architecture.py enforces the direction, reading each package's own list.
 """
 
 import importlib

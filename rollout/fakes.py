@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from rollout.base import InferenceEngine
 from rollout.errors import EngineUnavailable, InvalidRequest
-from rollout.progress import GenerationProgress
+from rollout.request_record import GenerationProgress
 from rollout.types import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:

@@ -18,10 +18,10 @@ if ! command -v bwrap >/dev/null 2>&1; then
   fi
 fi
 
-# --- tcmalloc: the heavy vcpo commands re-execute on it when present (learner/launch/allocator.py says
+# --- tcmalloc: the heavy vcpo commands re-execute on it when present (run/launch/allocator.py says
 # why: glibc's malloc page-faults each learner step's activations in again; ~1.4x on the learner step).
 # The allocator module (standard library only) is the one list of places a tcmalloc may be.
-if [ "$(uname -s)" = Linux ] && ! "$PY" learner/launch/allocator.py; then
+if [ "$(uname -s)" = Linux ] && ! "$PY" run/launch/allocator.py; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "[setup] installing tcmalloc (apt-get libtcmalloc-minimal4)"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null) \

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT = {"vcpo", "tools", "rollout", "agent_env", "learner", "configs", "benchmarks", "cli"}
+PROJECT = {"vcpo", "tools", "rollout", "agent_env", "learner", "run", "configs", "benchmarks", "cli"}
 _NAME = re.compile(r"`([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)`")
 
 
@@ -86,12 +86,14 @@ def test_the_rules_read_from_the_docstrings_are_the_layering() -> None:
     """The layers as docs/architecture.md draws them; a docstring edit that changes them shows here."""
     layering = {"vcpo": set(), "configs": set(), "tools": {"vcpo"}, "rollout": {"vcpo"},
                 "agent_env": {"vcpo", "rollout", "tools", "configs"},
-                "learner": {"vcpo", "rollout", "tools", "agent_env", "configs"},
-                "benchmarks": {"vcpo", "rollout", "tools", "agent_env", "configs", "learner"},
-                "cli": {"vcpo", "rollout", "tools", "agent_env", "configs", "learner", "benchmarks"}}
+                "learner": {"vcpo", "rollout", "configs"},
+                "run": {"vcpo", "rollout", "tools", "agent_env", "configs", "learner"},
+                "benchmarks": {"vcpo", "rollout", "tools", "agent_env", "configs", "learner", "run"},
+                "cli": {"vcpo", "rollout", "tools", "agent_env", "configs", "learner", "run", "benchmarks"}}
     assert layering == ALLOWED
     assert UNITS["learner"]["forward"] == set() and UNITS["learner"]["traj_grads"] == {"forward"}
-    assert set(UNITS) == {"benchmarks", "learner", "rollout", "tools", "vcpo"}
+    assert UNITS["run"]["observability"] == set() and UNITS["run"]["launch"] == {"train", "observability"}
+    assert set(UNITS) == {"benchmarks", "learner", "run", "rollout", "tools", "vcpo"}
 
 
 def _imports(path: Path) -> set[str]:

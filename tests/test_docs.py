@@ -36,8 +36,8 @@ from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
 ROOT = Path(__file__).resolve().parents[1]
-REPO_DIRS = (".ci", "agent_env", "benchmarks", "cli", "configs", "docs", "learner", "rollout", "scripts",
-             "tests", "tools", "vcpo")
+REPO_DIRS = (".ci", "agent_env", "benchmarks", "cli", "configs", "docs", "learner", "rollout", "run",
+             "scripts", "tests", "tools", "vcpo")
 """The repo's top-level folders: a path in code that starts with one of them names a repo file."""
 REPO_FILES = ("README.md", "pyproject.toml")
 
@@ -249,7 +249,7 @@ def source_problems(path: str, text: str) -> list[str]:
 
 def test_the_source_scan_covers_the_packages_configs_and_scripts() -> None:
     assert {"vcpo/opob.py", "configs/default.yaml", "scripts/run.sh",
-            "learner/train/trainer.py"} <= set(SOURCES)
+            "run/train/trainer.py"} <= set(SOURCES)
 
 
 @pytest.mark.parametrize("path", SOURCES)

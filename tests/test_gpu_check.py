@@ -124,7 +124,8 @@ def test_an_unknown_part_is_refused_with_the_known_ones(tmp_path: Path) -> None:
     assert done.returncode == 2 and "unknown parts ['nope']" in done.stderr and "main_job" in done.stderr
 
 
-PRODUCT_PACKAGES = ("agent_env", "benchmarks", "cli", "configs", "learner", "rollout", "tools", "vcpo")
+PRODUCT_PACKAGES = ("agent_env", "benchmarks", "cli", "configs", "learner", "rollout", "run", "tools",
+                    "vcpo")
 
 
 def _module_level_imports(package: str) -> dict[str, str]:

@@ -56,8 +56,8 @@ from benchmarks.staleness.schema import (
     StalenessTimedBenchConfig,
 )
 from configs.schema import RunConfig
-from learner.launch.host import host_description
-from learner.observability import metric_names as names
+from run.launch.host import host_description
+from run.observability import metric_names as names
 from vcpo import metrics as vcpo_metrics
 
 WINDOW = 10
@@ -199,9 +199,9 @@ def run_one(bench: StalenessBenchConfig, method: StalenessMethodConfig, lag: int
 
 def train_run(config: RunConfig, task_path: Path, run_dir: Path) -> tuple[Any, list[dict[str, Any]]]:
     """`vcpo train` of `config` in this process, from an empty `run_dir`: its summary and metrics records."""
-    from learner.launch.run import run_training
-    from learner.observability.metrics_log import read_metrics
-    from learner.train.compose import engine_settings, load_task
+    from run.launch.training import run_training
+    from run.observability.metrics_log import read_metrics
+    from run.train.wiring import engine_settings, load_task
 
     shutil.rmtree(run_dir, ignore_errors=True)
     task, resolved_task = load_task(task_path)

@@ -57,7 +57,7 @@ from benchmarks.staleness.bench import (
 from benchmarks.staleness.schema import StalenessMethodConfig, StalenessRealBenchConfig
 from configs.loader import load_config
 from configs.schema import RunConfig
-from learner.observability.metrics_log import read_metrics
+from run.observability.metrics_log import read_metrics
 
 Job = tuple[StalenessMethodConfig, int, int]
 """(method with its lr, lag k, seed)."""
@@ -75,9 +75,9 @@ def prepare_policy(bench: StalenessRealBenchConfig, repo_root: Path, cache_dir: 
                    progress: Callable[[str], None]) -> Path:
     """The model every run starts from: the run config's warm-started one (trained once with
     `warm_start_seed`, then cached) when it warm-starts, else its `model.path` as it is."""
-    from learner.train.compose import load_task
-    from learner.train.warm_start import run_warm_start
     from rollout.models import resolve_model
+    from run.train.warm_start import run_warm_start
+    from run.train.wiring import load_task
 
     config = base_config(bench, repo_root).model_copy(update={"seed": bench.warm_start_seed})
     if not config.warm_start.enabled:

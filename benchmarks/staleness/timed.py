@@ -33,9 +33,9 @@ from benchmarks.staleness import bench as staleness_bench
 from benchmarks.staleness import tasks as staleness_tasks
 from benchmarks.staleness.schema import StalenessMethodConfig, StalenessTimedBenchConfig
 from configs.schema import RunConfig
-from learner.launch.host import host_description
 from rollout.lag_control import ROLLOUT_MAX_LAG
 from rollout.sim_clock import SIM_IDLE_FRACTION, SIM_TIME
+from run.launch.host import host_description
 
 
 def learner_seconds(episode_median_s: float, episode_sigma: float, episodes_per_batch: int) -> float:
@@ -87,7 +87,7 @@ def run_timed(bench: StalenessTimedBenchConfig, method: StalenessMethodConfig, l
               numerics: str, model_dir: Path, task_path: Path, run_dir: Path) -> dict[str, Any]:
     """Train one (method, k, seed) on the timeline; its curves, its score at every checkpoint with the
     simulated time of that step, and the synthetic preset's summary numbers."""
-    from learner.train.checkpointing import checkpoint_root, load_checkpoint
+    from run.train.checkpointing import checkpoint_root, load_checkpoint
 
     started = time.perf_counter()
     config = run_config(bench, method, lag, seed, model_dir, task_path, run_dir)

@@ -1,4 +1,4 @@
-"""Learner backends: the config → objective/step-size mapping (`algorithm`), the torch learner
+"""Learner backends: the config → objective/step-size mapping (`algorithm_from_config`), the torch learner
 (`torch_learner`), and megatron-core (`megatron/`). A backend takes a minibatch of trajectories and
 makes one optimizer step; it knows nothing of engines, the training loop or Ray.
 

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from configs.schema import AlgoConfig, OptimConfig
-from learner.backends.algorithm import build_corrections, build_lr_scale_rule, build_objective
+from learner.backends.algorithm_from_config import build_corrections, build_lr_scale_rule, build_objective
 from learner.distributed.data_parallel import DataParallel, assign_groups
 from learner.forward.fused_layers import FusedElementwise, compiler_problem
 from learner.forward.logprobs import autocast, can_share_prompts, packed_target_logprobs, packed_target_stats

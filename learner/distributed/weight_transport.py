@@ -8,7 +8,7 @@
   of about `bucket_mb` (one dtype per bucket) and broadcasts them in order; each worker receives the
   same buckets from the plan both sides derive from the same specs and splits them again.
 
-Nothing here knows about actors or engines; `learner/launch/ray_launcher.py` calls both sides.
+Nothing here knows about actors or engines; `run/launch/ray_launcher.py` calls both sides.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from rollout.engines.sampling import StopStringMatcher, sample_next_tokens
-from rollout.progress import GenerationProgress
+from rollout.request_record import GenerationProgress
 
 
 @dataclass(eq=False)

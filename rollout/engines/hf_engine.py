@@ -32,8 +32,8 @@ import torch
 
 from rollout.base import InferenceEngine, check_version_order
 from rollout.engines.hf_batch import DecodeBatch, Row, check_cache_layout
-from rollout.engines.runtime import StepRuntime
 from rollout.engines.sampling import StopStringMatcher
+from rollout.engines.step_runtime import StepRuntime
 from rollout.errors import EngineUnavailable, InvalidRequest, WeightLoadError
 from rollout.settings import HFEngineSettings
 from rollout.types import GenerationRequest, GenerationResult, TruncationWarning

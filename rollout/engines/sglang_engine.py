@@ -44,7 +44,7 @@ from rollout.errors import (
     UnsupportedOperation,
     WeightLoadError,
 )
-from rollout.progress import GenerationProgress
+from rollout.request_record import GenerationProgress
 from rollout.settings import SGLangEngineSettings
 from rollout.types import GenerationRequest, GenerationResult, SamplingParams, TruncationWarning
 

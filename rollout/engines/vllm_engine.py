@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 from rollout.base import InferenceEngine, check_version_order
 from rollout.engines.checkpoint import check_named_tensors, checkpoint_shapes
-from rollout.engines.runtime import StepRuntime
+from rollout.engines.step_runtime import StepRuntime
 from rollout.errors import EngineError, EngineUnavailable, InvalidRequest, MalformedResponse, WeightLoadError
 from rollout.models import vcpo_cache_root
-from rollout.progress import GenerationProgress
+from rollout.request_record import GenerationProgress
 from rollout.settings import VLLMEngineSettings
 from rollout.types import GenerationRequest, GenerationResult, SamplingParams, TruncationWarning
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.learner.train.test_train_e2e import _vcpo, _write_configs
+from tests.run.train.test_train_e2e import _vcpo, _write_configs
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")

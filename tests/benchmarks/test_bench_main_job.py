@@ -16,7 +16,7 @@ import yaml
 from benchmarks import BENCH_CONFIG_ROOT
 from benchmarks.main_job import TIMING_FILE, run_main_job_bench, summarize_main_job, summarize_seed
 from benchmarks.schema import MainJobBenchConfig
-from learner.train.warm_start import SEARCH_PROGRAM
+from run.train.warm_start import SEARCH_PROGRAM
 from tests.benchmarks.tiny_countdown import tiny_countdown_run
 
 ROOT = Path(__file__).resolve().parents[2]

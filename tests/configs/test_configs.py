@@ -104,7 +104,7 @@ def test_cross_field_rule_names_both_fields_and_fix() -> None:
 @pytest.mark.parametrize("kind", sorted(OBJECTIVES))
 def test_every_objective_config_default_is_the_registry_default(kind: str) -> None:
     """A run config that names only the objective type gets the objective class's own defaults."""
-    from learner.backends.algorithm import build_objective
+    from learner.backends.algorithm_from_config import build_objective
 
     algo = AlgoConfig.model_validate({"objective": {"type": kind}, "ess_lr": {"enabled": False}})
     assert build_objective(algo) == OBJECTIVES[kind]()

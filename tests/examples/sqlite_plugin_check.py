@@ -23,8 +23,8 @@ from agent_env.loop import run_episode
 from agent_env.prompts import render_messages, render_prompt_ids
 from agent_env.rewards import build_reward
 from agent_env.runtime import episode_settings
-from learner.train.compose import load_task
 from rollout.engines.hf_engine import HFEngine
+from run.train.wiring import load_task
 from tools.base import ToolCall
 from tools.registry import build_tool, known_tools
 

@@ -25,7 +25,7 @@ from agent_env.datasets import load_samples
 from agent_env.samples import Sample
 from configs.task_schema import load_task_config
 from examples.custom_task.reward import conversion_reward, parse_number
-from learner.observability.metrics_log import read_metrics
+from run.observability.metrics_log import read_metrics
 from tests.examples.memorise import memorise_episode, task_prompt_ids
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -30,8 +30,8 @@ from agent_env.datasets import load_samples
 from agent_env.prompts import render_messages, render_prompt_ids
 from agent_env.tool_messages import ToolMessageRenderer, tool_message
 from configs.task_schema import load_task_config
-from learner.observability.metrics_log import read_metrics
 from rollout.tiny import build_byte_tokenizer
+from run.observability.metrics_log import read_metrics
 from tests.examples.memorise import memorise_episode
 from tests.rollout.standin_servers import OpenAIStandin, serve
 from tools.functions import Toolbox

@@ -1,5 +1,5 @@
 """The rollout manager's lag bound, failure replacement and checkpoint state, on the scripted engine
-(control logic only; the real-engine runs are in tests/learner/train/test_train_e2e.py)."""
+(control logic only; the real-engine runs are in tests/run/train/test_train_e2e.py)."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def test_without_torch_loaded_it_is_a_no_op() -> None:
 _IDLE_ENGINE_PROBE = textwrap.dedent("""
     import asyncio, json, os
     import torch
-    from rollout.engines.runtime import StepRuntime
+    from rollout.engines.step_runtime import StepRuntime
 
     torch.set_num_threads(2)
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 from pydantic import ValidationError
 
-from rollout.progress import GenerationProgress
+from rollout.request_record import GenerationProgress
 from rollout.types import GenerationRequest, GenerationResult, SamplingParams, TruncationWarning
 
 

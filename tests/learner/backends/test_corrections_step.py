@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from configs.schema import AlgoConfig, OptimConfig
-from learner.backends.algorithm import build_corrections
+from learner.backends.algorithm_from_config import build_corrections
 from learner.backends.torch_learner import StepInput, TorchLearner
 from learner.forward.packing import TrajectoryTokens
 from learner.forward.varlen_attention import register_varlen_sdpa

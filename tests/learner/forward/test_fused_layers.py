@@ -180,7 +180,7 @@ def test_auto_turns_the_kernels_on_only_where_they_can_be_built(caplog: pytest.L
     from torch._inductor import config as inductor_config
 
     from configs.schema import RunConfig
-    from learner.train.build import learner_fused_elementwise
+    from run.train.learner_setup import learner_fused_elementwise
 
     cpu = torch.device("cpu")
     auto = RunConfig.model_validate({"learner": {"fused_elementwise": "auto"}})

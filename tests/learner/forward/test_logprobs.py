@@ -70,7 +70,7 @@ def test_unknown_attention_implementation_is_rejected() -> None:
 def test_autocast_auto_is_bf16_only_where_the_hardware_does_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     from configs.schema import RunConfig
     from learner.forward.logprobs import autocast_dtype
-    from learner.train.build import learner_autocast
+    from run.train.learner_setup import learner_autocast
 
     cpu = torch.device("cpu")
     assert autocast_dtype("none", cpu) is None and autocast_dtype("bfloat16", cpu) is torch.bfloat16

@@ -424,7 +424,7 @@ def _replicated_share(kind: str, batch: StepInput) -> torch.Tensor:
 def test_building_the_megatron_backend_without_cuda_says_what_to_do(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA; the refusal is for CPU-only machines")
-    from learner.train.build import build_learner
+    from run.train.learner_setup import build_learner
 
     config = RunConfig.model_validate({"learner": {"backend": "megatron"}})
     with pytest.raises(ValueError, match=r"learner\.backend='torch'"):

@@ -1,0 +1,65 @@
+"""One training run in this process (`launcher: local`): engine, tool, rollout manager and learner side by
+side (`run.train.trainer.train`), with the held-out evaluation of the live engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from agent_env.datasets import load_samples
+from agent_env.heldout import HeldoutEvaluator, select_heldout
+from agent_env.runtime import TaskRuntime, episode_settings
+from configs.schema import RunConfig
+from configs.task_schema import TaskConfig
+from run.train.learner_setup import build_learner
+from run.train.trainer import TrainSummary, train
+from run.train.wiring import task_runtime
+
+log = logging.getLogger(__name__)
+
+
+async def run_local(
+    config: RunConfig, task: TaskConfig, task_path: Path, settings: Any, cache_dir: Path, run_dir: Path, *,
+    progress: bool = True, stop_after_step: int | None = None,
+) -> TrainSummary:
+    """Train `config` on `task` in this process (`launcher: local`); resumes when run_dir has a checkpoint."""
+    from rollout.models import load_tokenizer, resolve_model
+
+    started = time.perf_counter()
+    resolved = resolve_model(config.model.path, cache_dir)
+    tokenizer = load_tokenizer(config.model.path, cache_dir)
+    learner = build_learner(config, task, cache_dir)
+    async with task_runtime(task, task_path, model_dir=resolved.name_or_path, tokenizer=tokenizer,
+                            settings=settings, which="train") as runtime:
+        heldout = None
+        if config.trainer.eval_every:
+            heldout = heldout_evaluator(config, runtime, task_path, run_dir)
+        startup_s = time.perf_counter() - started
+        summary = await train(config, runtime, learner, run_dir, progress=progress,
+                              stop_after_step=stop_after_step, heldout=heldout)
+    summary.phases = {"startup": startup_s, **summary.phases}
+    return summary
+
+
+def heldout_evaluator(config: RunConfig, runtime: TaskRuntime, task_path: Path, run_dir: Path
+                      ) -> HeldoutEvaluator:
+    """The trainer's held-out evaluation of `runtime`'s task: the task's heldout_dataset less every
+    training prompt, the first `trainer.eval_samples`, sampled as the training rollouts are (or at
+    `trainer.eval_temperature`), with one fixed seed per (prompt, sample) across versions."""
+    task, trainer = runtime.task, config.trainer
+    loaded = load_samples(task, which="heldout", task_dir=task_path.parent)
+    chosen = select_heldout(loaded.samples, runtime.samples, task.prompt.system, task.prompt.user,
+                            trainer.eval_samples, source=loaded.source)
+    log.info("held-out evaluation: %d prompts of %s (%d overlapping training prompts dropped), k = %d, "
+             "every %d steps", len(chosen.samples), chosen.source, chosen.overlapping, trainer.eval_k,
+             trainer.eval_every)
+    settings = episode_settings(task, seed=config.seed)
+    if trainer.eval_temperature is not None:
+        settings = dataclasses.replace(settings, temperature=trainer.eval_temperature)
+    return HeldoutEvaluator(chosen, engine=runtime.engine, tokenizer=runtime.tokenizer, tool=runtime.tool,
+                            system=task.prompt.system, user=task.prompt.user, reward=runtime.reward,
+                            settings=settings, k=trainer.eval_k, out_dir=run_dir / "eval",
+                            concurrency=trainer.eval_concurrency, task_name=task.name)

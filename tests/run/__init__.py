@@ -1,0 +1,1 @@
+"""Tests of the run: its wiring, step loop, checkpoints, launchers and observability."""
