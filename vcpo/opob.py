@@ -290,6 +290,19 @@ def reference_is_weights(seq_log_ratios: Tensor, cap: float | None = None) -> Te
     return weights if cap is None else weights.clamp(max=cap)
 
 
+REFERENCE_LOSS_LOG_BOUND = 20.0
+"""veRL's `SAFETY_BOUND`: their per-trajectory loss weight exponentiates L_i clamped to ±20."""
+
+
+def reference_loss_weights(seq_log_ratios: Tensor, cap: float) -> Tensor:
+    """The authors' per-trajectory loss weight w̄_i → (B,) fp64: veRL's `rollout_is_weights` with
+    `rollout_is="sequence"` (their `rollout_corr_helper.compute_rollout_correction_weights`),
+    min(exp(clamp(L_i, ±20)), cap) with exp in fp32 — e^-20, not e^-25, at L = −25. It weighs the loss,
+    so it is also the w̄_i their per-trajectory gradient norm carries into ω. seq_log_ratios: (B,) L_i."""
+    bound = REFERENCE_LOSS_LOG_BOUND
+    return seq_log_ratios.detach().float().clamp(-bound, bound).exp().double().clamp(max=cap)
+
+
 def reference_baseline_weights(
     sq_grad_norms: Tensor,
     seq_log_ratios: Tensor,
@@ -304,7 +317,7 @@ def reference_baseline_weights(
     """ω_i = w̄_i² · w_i² · ‖∇ Σ_t log π(y_t)‖² [/ |M_i|²] → (B,) fp64 (0 where not finite or < 0).
 
     sq_grad_norms: (B,) ‖∇ℓ_i‖² of the learner's aggregated ℓ_i (unweighted). seq_log_ratios: (B,) L_i,
-    unclamped: w̄_i = min(e^{L_i}, is_cap) is the weight the authors' per-trajectory gradient carries,
+    unclamped: w̄_i = `reference_loss_weights` is the weight the authors' per-trajectory gradient carries,
     w_i = e^{L_i} their unclipped sequence ratio (min(e^{L_i}, is_cap) with use_clipped_weights; left
     out with use_is_weights off). loglik_scale: (B,) c_i with Σ_t log π(y_t) = c_i ℓ_i (|M_i| for a
     token-mean ℓ_i, 1 for a token sum): the authors rescale the norm by the response length.
@@ -318,7 +331,7 @@ def reference_baseline_weights(
     """
     scale = loglik_scale.detach().double()
     log_ratios = seq_log_ratios.detach().float()
-    truncated = reference_is_weights(log_ratios, is_cap)
+    truncated = reference_loss_weights(log_ratios, is_cap)
     # ‖w̄_i ∇Σ_t log π‖² = w̄_i² c_i² ‖∇ℓ_i‖²  (the authors' grad_norm_unscaled, squared)
     base = sq_grad_norms.detach().double() * (scale * scale) * (truncated * truncated)
     if num_tokens is not None:

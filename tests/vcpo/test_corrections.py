@@ -420,3 +420,25 @@ def test_token_mask_truncation_and_geometric_mask_are_skyrls(seed, tis, truncati
     assert torch.equal(out.loss_mask, want_mask.bool())
     torch.testing.assert_close(out.token_weights, torch.where(out.loss_mask, tis_ratio.expand_as(old), 0.0),
                                rtol=1e-6, atol=0)
+
+
+def test_geo_reject_reads_unclamped_token_ratios_as_skyrl_where_verl_clamps_each_token() -> None:
+    """One row of 40 tokens, ℓ = −30 on the first and 0 elsewhere, band [0.5, 2]: the geometric mean of the
+    ratios is e^{−0.75} = 0.47, so vcpo and SkyRL reject the row; veRL's seq_mean_k1 clamps ℓ at −20 first
+    (mean −0.5, ratio 0.61) and keeps it. docs/algorithm.md states the difference."""
+    old = torch.zeros(1, 40)
+    old[0, 0] = -30.0
+    rollout, mask = torch.zeros_like(old), torch.ones(old.shape, dtype=torch.bool)
+    geo = [GeometricRejection(0.5, 2.0)]
+    ours = apply_corrections(geo, old, rollout, mask, torch.ones(1), torch.arange(1))
+    assert not ours.loss_mask.any()
+    _, skyrl = _skyrl_correction(old, rollout, mask.float(), 1.0, 1e9, "token", 1e9, 0.5, 2.0)
+    assert not skyrl.bool().any()
+    verl = _verl_rejection_mask(old - rollout, mask.float(), ["seq_mean_k1"], ["0.5_2.0"])
+    assert verl.all()
+    # within ±20 per token the three agree: ℓ = −19 on the first token keeps it everywhere
+    old[0, 0] = -19.0
+    geo = [GeometricRejection(0.5, 2.0)]
+    ours = apply_corrections(geo, old, rollout, mask, torch.ones(1), torch.arange(1))
+    verl = _verl_rejection_mask(old - rollout, mask.float(), ["seq_mean_k1"], ["0.5_2.0"])
+    assert ours.loss_mask.all() and verl.all()

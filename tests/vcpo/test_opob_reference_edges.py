@@ -3,7 +3,8 @@
 `authors_advantages` below restates, in plain Python floats, what mit-han-lab/vcpo computes for one
 prompt group: σ_g from `compute_grad_info` (torch.std of the group's rewards as a float32 tensor,
 unbiased=False), the sequence weight from `compute_is_info` (fp32 exp of the fp32 log-ratio sum,
-unclamped), the per-trajectory norm of `_compute_grad_norms` (carrying w̄ = min(w, C)), b from
+unclamped), the per-trajectory norm of `_compute_grad_norms` (carrying the loss weight w̄ =
+min(e^{clamp(L, ±20)}, C) of their `rollout_corr_helper.compute_rollout_correction_weights`), b from
 `compute_opob_baseline` + `get_weighted_mean`, and the divisor rule of `_update_grad_buffers`.
 """
 
@@ -20,13 +21,21 @@ from vcpo.registry import make_objective
 CAP = 8.0
 
 
+def authors_loss_weight(log_ratio: float) -> float:
+    """Their per-trajectory loss weight before the cap: `rollout_is="sequence"` takes exp of the fp32
+    log-ratio sum clamped to ±SAFETY_BOUND (20), so a very stale trajectory still weighs e^-20."""
+    clamped = torch.clamp(torch.tensor(log_ratio, dtype=torch.float32), min=-20.0, max=20.0)
+    return float(torch.exp(clamped).item())
+
+
 def authors_advantages(rewards: list[float], log_ratios: list[float], sq_norms: list[float]) -> list[float]:
     """(R_i − b) / d_i for one group of one-token trajectories (c_i = 1), as the authors' code does."""
     reward_std = float(torch.std(torch.tensor(rewards, dtype=torch.float32), unbiased=False).item())
     weights = []
     for log_ratio, sq in zip(log_ratios, sq_norms, strict=True):
         seq_is = float(torch.exp(torch.tensor(log_ratio, dtype=torch.float32)).item())
-        grad_norm_unscaled = min(seq_is, CAP) * math.sqrt(sq)
+        loss_weight = min(authors_loss_weight(log_ratio), CAP)
+        grad_norm_unscaled = loss_weight * math.sqrt(sq)
         weights.append(grad_norm_unscaled**2 * seq_is**2)
     baseline = sum(w * r for w, r in zip(weights, rewards, strict=True)) / (sum(weights) + 1e-8)
     divisor = reward_std if reward_std > 1e-8 else 1.0
@@ -86,12 +95,24 @@ def test_log_ratios_beyond_twenty_enter_omega_unclamped() -> None:
     assert advantages == pytest.approx(authors_advantages([1.0, 0.0], [25.0, 22.0], [1.0, 1.0]), rel=1e-6)
     # σ = 0.5: A = ((1 − b)/0.5, (0 − b)/0.5)
     assert advantages == pytest.approx([2 * (1 - 0.9975274), -2 * 0.9975274], rel=1e-5)
-    # the loss weight w̄ is unclamped at the low end too, as the authors': min(e^-25, C), not e^-20
+    # the loss weight w̄ is the authors' min(e^{clamp(L, ±20)}, C): e^-20 at L = -25 (their rollout_is_weights)
     weights, truncated = make_objective("vcpo", form="reference").sequence_weights(tensor([-25.0, 30.0]))
-    assert float(truncated[0]) == pytest.approx(math.exp(-25), rel=1e-6) and float(truncated[1]) == CAP
+    assert float(truncated[0]) == pytest.approx(math.exp(-20), rel=1e-6) and float(truncated[1]) == CAP
+    assert float(truncated[0]) == pytest.approx(min(authors_loss_weight(-25.0), CAP), rel=1e-7)
+    # ... while ω's w stays their unclamped fp32 exp(L)
+    assert float(weights[0]) == pytest.approx(math.exp(-25), rel=1e-6)
     assert float(weights[1]) == pytest.approx(math.exp(30), rel=1e-6)
     assert float(make_objective("vcpo").sequence_weights(tensor([-25.0]))[1][0]) == pytest.approx(
         math.exp(-20), rel=1e-6)  # the spec form keeps its clamp
+
+
+def test_below_minus_twenty_the_loss_weight_in_omega_is_the_authors_clamped_one() -> None:
+    # L = (-25, 0), equal norms: the authors' ω_0 = w̄_0² w_0² = (e^-20)² (e^-25)² = e^-90, ω_1 = 1
+    omega = reference_baseline_weights(tensor([1.0, 1.0]), tensor([-25.0, 0.0]), CAP, tensor([1.0, 1.0]),
+                                       single_group(2))
+    assert float(omega[0]) == pytest.approx(math.exp(-90), rel=1e-5) and float(omega[1]) == 1.0
+    assert float(omega[0]) == pytest.approx(
+        (min(authors_loss_weight(-25.0), CAP) * math.exp(-25)) ** 2, rel=1e-5)
 
 
 def test_beyond_fp32_overflow_the_authors_are_nan_and_vcpo_is_their_limit() -> None:

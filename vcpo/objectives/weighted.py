@@ -43,6 +43,7 @@ from vcpo.opob import (
     reference_group_std,
     reference_is_weights,
     reference_loglik_scale,
+    reference_loss_weights,
     reference_std_divisor,
     vcpo_coefficients,
     winsorized_mean_baseline,
@@ -201,12 +202,13 @@ class VCPO(SequenceTisOptions, ObjectiveBase):
 
     def sequence_weights(self, seq_log_ratios: Tensor) -> tuple[Tensor, Tensor]:
         """(w, w̄) → two (B,) fp32 tensors from L_i. spec: w = exp(clamp(L_i, ±max_log_ratio)), always
-        finite; reference: the authors' unclamped fp32 exp(L_i) (inf past L ≈ 88.7: only b*'s weights
-        read w, and `reference_baseline_weights` keeps them finite). w̄ = min(w, is_cap) in both."""
+        finite, and w̄ = min(w, is_cap); reference: w the authors' unclamped fp32 exp(L_i) (inf past
+        L ≈ 88.7: only b*'s weights read w, and `reference_baseline_weights` keeps them finite), w̄ their
+        loss weight min(exp(clamp(L_i, ±20)), is_cap) (`reference_loss_weights`)."""
         if self.form == "reference":
             weights = reference_is_weights(seq_log_ratios).float()
-        else:
-            weights = sequence_is_weights(seq_log_ratios, self.max_log_ratio)
+            return weights, reference_loss_weights(seq_log_ratios, self.is_cap).float()
+        weights = sequence_is_weights(seq_log_ratios, self.max_log_ratio)
         return weights, truncated_is_weights(weights, self.is_cap)
 
     def baseline_weights(self, sq_grad_norms: Tensor, seq_log_ratios: Tensor, num_tokens: Tensor,
