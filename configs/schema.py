@@ -32,7 +32,10 @@ class ModelConfig(StrictModel):
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel of the learner's HF model; both handle packed sequences."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass: less memory, ~30% more compute."""
+    """Recompute each decoder layer's activations in the backward pass (HF's activation checkpointing):
+    memory for one layer's activations instead of all of them, one more forward of compute. VCPO's exact
+    per-trajectory norms stay on the fast path (their hooks take each layer's input from the recompute;
+    learner/traj_grads/hooks.py). Torch learner; the megatron learner refuses it."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -700,6 +703,14 @@ class LearnerConfig(StrictModel):
     cached on disk by torch) and, on CPU, a C++ compiler: true without one is an error naming it;
     'auto' turns the kernels on where torch.compile can build them and says so in the log either way.
     Torch backend only."""
+    logits_chunk_mib: float | None = Field(512.0, gt=0)
+    """Run the output head a chunk of target positions at a time wherever a micro-batch's fp32 (targets ×
+    vocabulary) logits would take more than this many MiB (learner/forward/chunked_head.py): the forward
+    keeps only the hidden states and log-sum-exps, the backward computes each chunk's logits again (one
+    more head GEMM), so memory stops growing with tokens × vocabulary (12k sampled tokens of a 152k
+    vocabulary: 7.3 GB of fp32 logits, 3.7 GB more in bf16). The same log-probs and gradients within fp32
+    rounding; VCPO's per-trajectory norms too. Micro-batches under the budget run in one pass as before
+    (the default run's do). null: always one pass. Torch backend, HF models with a plain output head."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallel layout and kernels of backend='megatron' (ignored by 'torch')."""
 

@@ -49,7 +49,13 @@ from configs.schema import AlgoConfig, OptimConfig
 from learner.backends.algorithm_from_config import build_corrections, build_lr_scale_rule, build_objective
 from learner.distributed.data_parallel import DataParallel, assign_groups
 from learner.forward.fused_layers import FusedElementwise, compiler_problem
-from learner.forward.logprobs import autocast, can_share_prompts, packed_target_logprobs, packed_target_stats
+from learner.forward.logprobs import (
+    autocast,
+    can_share_prompts,
+    head_chunk_plan,
+    packed_target_logprobs,
+    packed_target_stats,
+)
 from learner.forward.packing import (
     PackedMicroBatch,
     SharedPrefixLayout,
@@ -110,8 +116,12 @@ class TorchLearner:
                  temperature: float = DEFAULT_TEMPERATURE, autocast_dtype: torch.dtype | None = None,
                  autocast_proximal: bool = False, data_parallel: DataParallel | None = None,
                  proximal: Literal["separate", "reuse", "auto"] = "separate",
-                 share_prompts: bool = False, fused_elementwise: bool = False) -> None:
+                 share_prompts: bool = False, fused_elementwise: bool = False,
+                 logits_chunk_mib: float | None = None) -> None:
         self.model = model.train()
+        self.logits_chunk_mib = logits_chunk_mib
+        """The output head in chunks of target rows where a micro-batch's `(K, V)` logits would pass this many
+        MiB (`learner.logits_chunk_mib`, learner/forward/chunked_head.py); None: always in one pass."""
         self.data_parallel = data_parallel
         """None: one process. Else this replica's rank among the data-parallel ones (module docstring)."""
         self.autocast_dtype = autocast_dtype
@@ -474,7 +484,8 @@ class TorchLearner:
         gradient_forward = not proximal and model is self.model
         fused = self._gradient_forwards() if gradient_forward else contextlib.nullcontext()
         with fused, autocast(self.device, self._forward_dtype(proximal)):
-            return packed_target_logprobs(model, mb, temperature=self.temperature, layout=layout)
+            return packed_target_logprobs(model, mb, temperature=self.temperature, layout=layout,
+                                          chunks=head_chunk_plan(model, mb, self.logits_chunk_mib))
 
     def _gradient_forwards(self) -> contextlib.AbstractContextManager[object]:
         """The model's fused elementwise kernels while active (`fused_elementwise`; nests), else nothing."""
@@ -637,10 +648,11 @@ class TorchLearner:
             return accumulate_opob_grad_packed(
                 self.model, microbatches, reward_coefs, baseline_coefs, baseline_fn,
                 autocast_dtype=self.autocast_dtype, temperature=self.temperature,
-                hooks_class=self.packed_hooks).sq_norms
+                hooks_class=self.packed_hooks, logits_chunk_mib=self.logits_chunk_mib).sq_norms
         return accumulate_opob_grad_per_trajectory(
             self.model, microbatches, reward_coefs, baseline_coefs, baseline_fn,
-            autocast_dtype=self.autocast_dtype, temperature=self.temperature).sq_norms
+            autocast_dtype=self.autocast_dtype, temperature=self.temperature,
+            logits_chunk_mib=self.logits_chunk_mib).sq_norms
 
     def _finish(self, lr_scale: float) -> float:
         if self.data_parallel is not None:

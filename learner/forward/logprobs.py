@@ -5,6 +5,11 @@ an index tensor), so the `(K, V)` logits are the only vocabulary-sized tensor; p
 tool-output positions never produce logits. `log π(y) = logit_y − logsumexp(logits)` in fp32
 (no `(K, V)` log-softmax output is materialised beyond the fp32 upcast of bf16 logits).
 
+Where the `(K, V)` logits would pass a memory budget (`head_chunk_plan`, `learner.logits_chunk_mib`), the
+model's body gives the `(K, H)` hidden states at the targets instead and the head runs a chunk of rows at
+a time (`learner/forward/chunked_head.py`): the same values within fp32 rounding, memory independent of
+`K × V`.
+
 This module does not build losses or touch gradients; the OPOB paths and a plain GRPO step
 both call `packed_target_logprobs` and weight its output themselves.
 """
@@ -16,6 +21,7 @@ import contextlib
 import torch
 from torch import Tensor, nn
 
+from learner.forward.chunked_head import HeadGrad, chunk_rows, chunked_target_logprobs, head_chunks
 from learner.forward.packing import PackedMicroBatch, SharedPrefixLayout
 from learner.forward.varlen_attention import VARLEN_SDPA
 from rollout.types import DEFAULT_TEMPERATURE
@@ -103,9 +109,39 @@ def check_packing_aware(model: nn.Module) -> None:
         )
 
 
+def chunkable_head(model: nn.Module) -> nn.Linear | None:
+    """`model`'s output head where its logits are exactly `decoder(x) · Wᵀ` (a plain bias-free `nn.Linear`
+    after `get_decoder()`, no logit scaling or soft-capping), so it can run in chunks; else None."""
+    get_head, get_decoder = getattr(model, "get_output_embeddings", None), getattr(model, "get_decoder", None)
+    if get_head is None or get_decoder is None:
+        return None
+    head, config = get_head(), getattr(model, "config", None)
+    if type(head) is not nn.Linear or head.bias is not None or get_decoder() is None:
+        return None
+    scaled = getattr(config, "logit_scale", None) not in (None, 1.0)
+    if scaled or getattr(config, "final_logit_softcapping", None):
+        return None
+    return head
+
+
+def head_chunk_plan(model: nn.Module, batch: PackedMicroBatch, chunk_mib: float | None
+                    ) -> list[tuple[int, int]] | None:
+    """The target rows of `batch` in chunks whose fp32 `(rows, V)` block takes at most `chunk_mib` MiB
+    (`chunked_head.head_chunks`: whole short trajectories together, a long one in pieces); None where one
+    pass fits (or `chunk_mib` is None, or the head cannot be chunked): the plain path, as before."""
+    head = chunkable_head(model) if chunk_mib is not None else None
+    if head is None:
+        return None
+    rows = chunk_rows(head.weight.shape[0], chunk_mib)
+    if int(batch.target_positions.numel()) <= rows:
+        return None
+    return head_chunks(batch.target_counts, rows)
+
+
 def packed_target_logprobs(
     model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Tensor | None = None,
     temperature: float = DEFAULT_TEMPERATURE, *, layout: SharedPrefixLayout | None = None,
+    chunks: list[tuple[int, int]] | None = None, head_grad: HeadGrad | None = None,
 ) -> Tensor:
     """Log-probabilities of the targets of `batch` under `model`, one forward pass.
 
@@ -116,9 +152,16 @@ def packed_target_logprobs(
     engines report them. `layout`: forward `share_prefixes(batch)` instead, each group's common prompt
     once (needs `can_share_prompts(model)`): the same values up to the rounding of another summation
     order, and as differentiable — but not for hooks that attribute a token's gradient to one trajectory.
+    `chunks` (`head_chunk_plan`): run the output head in these chunks of target rows; `head_grad` then
+    takes the head's weight gradient chunk by chunk (the per-trajectory path's handler).
     """
+    targets = batch.target_ids[batch.target_positions]
+    if chunks is not None:
+        hidden = _target_hidden(model, batch, inputs_embeds, layout)
+        return chunked_target_logprobs(hidden, model.get_output_embeddings(), targets, temperature, chunks,
+                                       head_grad)
     logits = _target_logits(model, batch, inputs_embeds, temperature, layout)
-    return token_logprobs(logits, batch.target_ids[batch.target_positions])
+    return token_logprobs(logits, targets)
 
 
 def can_share_prompts(model: nn.Module) -> bool:
@@ -129,6 +172,24 @@ def can_share_prompts(model: nn.Module) -> bool:
 def _target_logits(model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Tensor | None,
                    temperature: float, layout: SharedPrefixLayout | None = None) -> Tensor:
     """(K, V) logits / T at the target positions of `batch`, from one packed forward."""
+    inputs, targets = _forward_inputs(model, batch, inputs_embeds, layout)
+    output = model(**inputs, logits_to_keep=targets)
+    # squeeze, not [0]: select's backward would allocate and copy a zero (1, K, V) gradient.
+    logits = output.logits.squeeze(0)
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _target_hidden(model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Tensor | None,
+                   layout: SharedPrefixLayout | None) -> Tensor:
+    """(K, H) the decoder's last hidden states at the target positions: what the head reads."""
+    inputs, targets = _forward_inputs(model, batch, inputs_embeds, layout)
+    hidden = model.get_decoder()(**inputs).last_hidden_state
+    return hidden.squeeze(0).index_select(0, targets)
+
+
+def _forward_inputs(model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Tensor | None,
+                    layout: SharedPrefixLayout | None) -> tuple[dict[str, Tensor | bool], Tensor]:
+    """The packed forward's keyword arguments and the positions whose next token is a target."""
     if layout is not None:
         if inputs_embeds is not None or not can_share_prompts(model):
             raise ValueError("a shared-prompt layout needs input ids and attn_implementation "
@@ -144,10 +205,7 @@ def _target_logits(model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Ten
         position_ids, targets = batch.position_ids, batch.target_positions
     # use_cache=False matters: with a cache HF skips the packed-sequence mask and trajectories
     # would attend to each other.
-    output = model(**token_inputs, position_ids=position_ids, use_cache=False, logits_to_keep=targets)
-    # squeeze, not [0]: select's backward would allocate and copy a zero (1, K, V) gradient.
-    logits = output.logits.squeeze(0)
-    return logits / temperature if temperature != 1.0 else logits
+    return {**token_inputs, "position_ids": position_ids, "use_cache": False}, targets
 
 
 def trajectory_logliks(target_logprobs: Tensor, batch: PackedMicroBatch) -> Tensor:

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
+from learner.forward.chunked_head import HeadChunk
 from learner.forward.packing import PackedMicroBatch
 from learner.traj_grads.buffers import GroupBuffers, add_to_grad, grad_of
 
@@ -138,6 +139,15 @@ class MicroBatchState:
         self.reward_coefs, self.baseline_coefs = reward_coefs, baseline_coefs
         self._coefs_host = tuple(zip(reward_coefs.tolist(), baseline_coefs.tolist(), strict=True))
 
+    def all_open_plan(self) -> ApplyPlan:
+        """The plan that treats every group of the micro-batch as open: `.grad += −a_j g_j` and
+        `S_g += s_j g_j` for all, `b*_g S_g` added when the group closes. What a handler that must apply
+        during the backward uses (its layer was recomputed: its input is gone after the backward)."""
+        members: dict[int, list[int]] = {}
+        for j, group in enumerate(self.group_of):
+            members.setdefault(group, []).append(j)
+        return ApplyPlan(-self.reward_coefs, tuple((g, tuple(js)) for g, js in members.items()))
+
     def group_open(self, j: int) -> bool:
         """Whether trajectory `j`'s group stays open after this micro-batch."""
         return self.closing_groups is None or self.group_of[j] not in self.closing_groups
@@ -200,6 +210,12 @@ class _SharedCast(torch.autograd.Function):
         return grad.to(ctx.source_dtype), None
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward in this thread: a forward hook that fires then is a
+    checkpointed layer's recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _sq_norm(t: Tensor) -> Tensor:
     """`‖t‖²` accumulated in fp32 (a 0-dim tensor; no host sync)."""
     flat = t.reshape(-1).float()
@@ -256,6 +272,9 @@ class _Hooked:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.recomputed = False
+        """Its module runs inside a checkpointed (recomputed) layer: the input is taken from the recompute
+        in the backward, not kept from the forward, and the gradient applied at once (`all_open_plan`)."""
         self._state: MicroBatchState | None = None
         self._x: Tensor | None = None
         self._source: Tensor | None = None
@@ -272,7 +291,13 @@ class _Hooked:
     def bind(self, state: MicroBatchState | None) -> None:
         """Start a micro-batch (or, with None, drop every saved tensor)."""
         self._state, self._x, self._source, self._delta = state, None, None, None
+        self._forwarded = self._output_hooked = self._applied = False
         self.clear()
+
+    @property
+    def pending(self) -> bool:
+        """An output gradient arrived and its input never did (a recompute that did not run)."""
+        return self._delta is not None and self._x is None and not self._applied
 
     def clear(self) -> None:
         """Drop what the subclass saved in `on_backward`."""
@@ -280,19 +305,44 @@ class _Hooked:
     def forward_hook(self, module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
         if self._state is None:
             return  # a forward outside the packed pass (e.g. generation) is not ours to track
-        if self._x is not None:
+        if isinstance(output, tuple):  # megatron's parallel linears: (output, bias the caller adds later)
+            output = output[0]
+        if not output.requires_grad:
+            return  # no gradient flows back through this call (a reentrant checkpoint's first pass)
+        if _in_backward():  # the recompute (`recompute_input_hook` took the input)
+            if not self._output_hooked:  # reentrant: the backward runs through the recomputed graph
+                self._output_hooked = True
+                output.register_hook(self._on_output_grad)
+            return
+        if self._forwarded:
             raise RuntimeError(
                 f"{self.name} ran more than once in one forward pass; calling a module several times is "
                 "not supported by the packed path, use accumulate_opob_grad_per_trajectory"
             )
+        self._forwarded = self._output_hooked = True
+        if not self.recomputed:  # a recomputed layer hands its input again in the backward
+            self._x = self._source = args[0].detach()
+        output.register_hook(self._on_output_grad)
+
+    def recompute_input_hook(self, module: nn.Module, args: tuple[Tensor, ...]) -> None:
+        """A forward pre-hook of a recomputed module: in the backward's recompute, take the input the layer
+        runs on again (as it receives it: after the autocast pre-hook's cast). A pre-hook, because a
+        non-reentrant checkpoint stops its recompute as soon as the saved tensors it needs are back — for
+        the layer's last module, inside that module's call, before its forward hook would run."""
+        if self._state is None or not _in_backward() or not args:
+            return
         self._x = self._source = args[0].detach()
-        if isinstance(output, tuple):  # megatron's parallel linears: (output, bias the caller adds later)
-            output = output[0]
-        if output.requires_grad:
-            output.register_hook(self._on_output_grad)
+        if self._delta is not None and not self._applied:  # the gradient came before the recompute
+            self._take()
 
     def _on_output_grad(self, grad: Tensor) -> None:
         self._delta = grad.detach().reshape(-1, grad.shape[-1])
+        if self._x is not None:
+            self._take()
+
+    def _take(self) -> None:
+        """Both the input and the output gradient are here: the per-trajectory norms (and, for a recomputed
+        layer, the weighted gradient at once, so neither tensor outlives this layer's backward)."""
         if self._x.dtype != self._delta.dtype and self._x.is_floating_point():
             # The module computed in the output's dtype under an autocast the pre-hooks did not cast for
             # (hooks built without autocast_dtype inside an outer autocast): the weight gradient is taken
@@ -300,6 +350,19 @@ class _Hooked:
             self._x = self.state.cast_input(self._x, self._delta.dtype)
         self.on_backward(self._delta, self._x.reshape(-1, self._x.shape[-1]))
         self._source = None  # a Gram cache entry that needs it holds its own reference
+        if self.recomputed:
+            self.apply(self.state.all_open_plan())
+            self._applied = True
+            self._x = self._delta = None
+            self.clear()
+
+    def apply_deferred(self, plan: ApplyPlan) -> None:
+        """`apply(plan)` unless the handler applied during the backward already."""
+        if not self._applied:
+            self.apply(plan)
+
+    def apply(self, plan: ApplyPlan) -> None:
+        raise NotImplementedError
 
     def on_backward(self, delta: Tensor, x: Tensor) -> None:
         raise NotImplementedError
@@ -343,6 +406,96 @@ class LinearHandler(_Hooked):
         self._bias_grads: Tensor | None = None
         self._segments: Segments = ()
         self._row_trajectory: Tensor | None = None
+        self._long: tuple[int, Tensor, list[Tensor]] | None = None
+        """A trajectory longer than one head chunk: (j, its G_j so far in fp32, its tied rows' pieces)."""
+        self._chunk_tied: dict[int, Tensor] = {}
+
+    # --- the output head in chunks of target rows (learner/forward/chunked_head.py) ------------------
+
+    def on_chunk(self, chunk: HeadChunk) -> None:
+        """The head's per-trajectory gradients from one chunk of target rows, applied at once (every group
+        treated as open: `.grad += −a_j G_j`, `S_g += s_j G_j`), so no `(K, V)` tensor is ever kept. A
+        chunk holds whole trajectories (Gram or dense, as `_gram_is_cheaper` prices them) or one piece of
+        a trajectory longer than a chunk, whose `G_j` is summed over its pieces (`head_chunks` plans so)."""
+        state = self.state
+        if self.bias is not None:
+            raise RuntimeError(f"{self.name}: a chunked output head with a trainable bias is not supported")
+        segments, _ = state.rows(state.batch.target_positions.numel(), self.name)
+        delta, x = chunk.delta, chunk.x
+        gram: list[tuple[int, int, int]] = []  # (j, first row, end row) within the chunk
+        for j, (start, end) in enumerate(segments):
+            low, high = max(start, chunk.start) - chunk.start, min(end, chunk.end) - chunk.start
+            if low >= high:
+                continue
+            if (start, end) != (low + chunk.start, high + chunk.start):
+                self._long_piece(j, delta[low:high], x[low:high], last=end <= chunk.end)
+            elif _gram_is_cheaper(end - start, x.shape[1], delta.shape[1], state.dense_cost_flops, True):
+                gram.append((j, low, high))
+            else:
+                product = delta[low:high].T @ x[low:high]  # G_j, (V, H)
+                self._finish_trajectory(j, product, delta[low:high], x[low:high], None)
+        if gram:
+            self._chunk_gram(gram, delta, x)
+
+    def _long_piece(self, j: int, delta: Tensor, x: Tensor, last: bool) -> None:
+        if self._long is None or self._long[0] != j:
+            shape = (delta.shape[1], x.shape[1])
+            self._long = (j, torch.zeros(shape, dtype=torch.float32, device=x.device), [])
+        _, total, tied = self._long
+        total.addmm_(delta.T.float(), x.float())
+        if self.tied:
+            tied.append(delta[:, self._unique_tokens(j)].T.float() @ x.float())
+        if last:
+            self._long = None
+            self._finish_trajectory(j, total, None, None, torch.stack(tied).sum(0) if tied else None)
+
+    def _finish_trajectory(self, j: int, product: Tensor, delta: Tensor | None, x: Tensor | None,
+                           tied_rows: Tensor | None) -> None:
+        """A whole `G_j`: its norm, `.grad += −a_j G_j`, `S_g += s_j G_j`, and its tied rows."""
+        state = self.state
+        state.sq_norms[j] += _sq_norm(product)
+        reward_coef, baseline_coef = state.coefs_of(j)
+        add_to_grad(self.weight, product, -reward_coef)
+        state.buffers.add(state.group_of[j], self.weight, product, baseline_coef)
+        if self.tied:
+            self._chunk_tied[j] = product[self._unique_tokens(j)].float() if tied_rows is None else tied_rows
+
+    def _chunk_gram(self, trajectories: list[tuple[int, int, int]], delta: Tensor, x: Tensor) -> None:
+        """Whole short trajectories of one chunk: Gram norms, then one GEMM into `.grad` and one per group
+        into `S_g`, with per-row coefficients."""
+        state = self.state
+        segments = tuple((low, high) for _, low, high in trajectories)
+        norms = (_segment_grams(x, segments) * _segment_grams(delta, segments)).sum((1, 2))
+        index = torch.tensor([j for j, _, _ in trajectories], device=norms.device)
+        state.sq_norms.index_add_(0, index, norms)
+        owner = torch.full((delta.shape[0],), -1, dtype=torch.long, device=x.device)
+        for j, low, high in trajectories:
+            owner[low:high] = j
+        rows = (owner >= 0).nonzero().squeeze(1)
+        reward = state.reward_coefs[owner[rows]].to(delta.dtype).unsqueeze(1)
+        add_to_grad(self.weight, (delta[rows] * -reward).T @ x[rows])
+        groups: dict[int, list[int]] = {}
+        for j, _, _ in trajectories:
+            groups.setdefault(state.group_of[j], []).append(j)
+        for group, members in groups.items():
+            picked = torch.isin(owner, torch.tensor(members, device=x.device)).nonzero().squeeze(1)
+            baseline = state.baseline_coefs[owner[picked]].to(delta.dtype).unsqueeze(1)
+            state.buffers.add(group, self.weight, (delta[picked] * baseline).T @ x[picked])
+        if self.tied:
+            for j, low, high in trajectories:
+                self._chunk_tied[j] = (delta[low:high, self._unique_tokens(j)].T @ x[low:high]).float()
+
+    def finish_chunks(self) -> None:
+        """After the last chunk: the tied rows of every trajectory, for the embedding's cross term."""
+        if self.tied:
+            state = self.state
+            count = state.batch.num_trajectories
+            missing = [j for j in range(count) if j not in self._chunk_tied]
+            for j in missing:  # no target rows: G_j = 0
+                self._chunk_tied[j] = torch.zeros(len(self._unique_tokens(j)), self.weight.shape[1],
+                                                  dtype=torch.float32, device=self.weight.device)
+            state.tied_rows = [self._chunk_tied[j] for j in range(count)]
+        self._chunk_tied = {}
 
     def on_backward(self, delta: Tensor, x: Tensor) -> None:
         state = self.state
@@ -363,7 +516,7 @@ class LinearHandler(_Hooked):
             if end == start:
                 continue
             cheap = _gram_is_cheaper(end - start, in_features, out_features, state.dense_cost_flops,
-                                     state.group_open(j))
+                                     self.recomputed or state.group_open(j))
             (self._gram if cheap else dense).append(j)
         if self._gram:
             segments = tuple(self._segments[j] for j in self._gram)

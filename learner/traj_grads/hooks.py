@@ -9,9 +9,13 @@ gradients (`δ`), never a weight gradient, and the handlers build the weight gra
 themselves — so the weight-gradient work is not done twice. On exit — also after an exception —
 the hooks are removed and every `requires_grad` flag is restored.
 
-It does not decide coefficients or baselines (`learner/traj_grads/opob_grad.py` does) and supports neither
-gradient checkpointing (the recomputed forward would fire the hooks twice) nor modules called
-more than once per forward.
+Activation recompute (HF `gradient_checkpointing_enable`, reentrant or not): a hooked module inside a
+checkpointed layer keeps nothing from the forward; its input is taken when the backward recomputes the
+layer, its per-trajectory norms and weighted gradient are computed there and then (every group treated
+as open, `MicroBatchState.all_open_plan`), so nothing of the layer outlives its backward — the norms are
+the same, and the memory is recompute's. Modules called more than once per forward are not supported.
+
+It does not decide coefficients or baselines (`learner/traj_grads/opob_grad.py` does).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from learner.forward.fused_layers import RMS_NORM_CLASSES
-from learner.forward.logprobs import autocast, packed_target_logprobs
+from learner.forward.logprobs import autocast, head_chunk_plan, packed_target_logprobs
 from learner.traj_grads.handlers import (
     ApplyPlan,
     EmbeddingHandler,
@@ -58,18 +62,27 @@ def _embedding_problem(module: nn.Embedding) -> str | None:
     return None
 
 
+def _recomputed_modules(model: nn.Module) -> set[int]:
+    """ids of the modules inside a layer whose forward is recomputed in the backward (an HF
+    `GradientCheckpointingLayer` with checkpointing on, in training mode)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    found: set[int] = set()
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing and layer.training:
+            found.update(id(module) for module in layer.modules())
+    return found
+
+
 class PackedGradHooks:
     """Per-trajectory gradient hooks on `model` while the context is active (see module docstring)."""
 
     def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None,
-                 temperature: float = DEFAULT_TEMPERATURE) -> None:
-        if getattr(model, "is_gradient_checkpointing", False):
-            raise ValueError(
-                "gradient checkpointing is on; the packed per-trajectory path needs one forward per "
-                "micro-batch: call model.gradient_checkpointing_disable() or use "
-                "accumulate_opob_grad_per_trajectory"
-            )
+                 temperature: float = DEFAULT_TEMPERATURE, logits_chunk_mib: float | None = None) -> None:
         self.model = model
+        self.logits_chunk_mib = logits_chunk_mib
+        """Run the output head in chunks of target rows where its `(K, V)` logits would pass this many MiB
+        (`logprobs.head_chunk_plan`); the head's handler then takes its gradient chunk by chunk."""
         self.autocast_dtype = autocast_dtype
         """Run the forward under `torch.autocast` in this dtype (None: in the weights' dtype)."""
         self.temperature = temperature
@@ -113,6 +126,9 @@ class PackedGradHooks:
             self.embedding.tied = tied
 
     def __enter__(self) -> PackedGradHooks:
+        recomputed = _recomputed_modules(self.model)
+        for module, handler in self.hooked:
+            handler.recomputed = id(module) in recomputed
         try:
             for param in self.params:
                 self._saved_flags.append((param, param.requires_grad))
@@ -121,6 +137,8 @@ class PackedGradHooks:
                 self._handles.append(module.register_forward_hook(handler.forward_hook))
                 if self.autocast_dtype is not None and isinstance(handler, LinearHandler):
                     self._handles.append(module.register_forward_pre_hook(handler.forward_pre_hook))
+                if handler.recomputed:  # after the cast pre-hook: it sees the input the layer computes on
+                    self._handles.append(module.register_forward_pre_hook(handler.recompute_input_hook))
             self._cast_linear_weights()
         except BaseException:
             self._restore()
@@ -180,22 +198,36 @@ class PackedGradHooks:
         batch = state.batch
         if batch.target_positions.numel() == 0:
             return
+        chunks = head_chunk_plan(self.model, batch, self.logits_chunk_mib)
+        head = self._head_handler() if chunks is not None else None
         with torch.enable_grad():
             embedded = self.embedding_module(batch.input_ids).detach().requires_grad_(True)
             with autocast(self.device, self.autocast_dtype):
                 logprobs = packed_target_logprobs(self.model, batch, inputs_embeds=embedded,
-                                                  temperature=self.temperature)
+                                                  temperature=self.temperature, chunks=chunks,
+                                                  head_grad=None if head is None else head.on_chunk)
             if after_forward is not None:
                 after_forward(logprobs.detach())
             loss = (logprobs * batch.target_weights[batch.target_positions]).sum()
             loss.backward()
+        if head is not None:
+            head.finish_chunks()
+        stuck = [handler.name for _, handler in self.hooked if handler.pending]
+        if stuck:
+            raise RuntimeError(f"{', '.join(stuck)}: the output gradient arrived but the checkpointed layer "
+                               "was never recomputed; use accumulate_opob_grad_per_trajectory for this model")
         if self.embedding is not None and embedded.grad is not None:
             self.embedding.on_backward(embedded.grad)
+
+    def _head_handler(self) -> LinearHandler | None:
+        """The handler of the output head's weight (None when the head is frozen)."""
+        head = self.model.get_output_embeddings()
+        return next((handler for module, handler in self.hooked if module is head), None)
 
     def apply(self, plan: ApplyPlan) -> None:
         """Add the deferred coefficient-weighted gradients of the last `backward` (see `ApplyPlan`)."""
         for _, handler in self.hooked:
-            handler.apply(plan)
+            handler.apply_deferred(plan)
         if self.embedding is not None:
             self.embedding.apply(plan)
         self._bind(None)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from learner.forward.logprobs import autocast, packed_target_logprobs, trajectory_logliks
+from learner.forward.logprobs import autocast, head_chunk_plan, packed_target_logprobs, trajectory_logliks
 from learner.forward.packing import PackedMicroBatch
 from learner.traj_grads.buffers import GroupBuffers, grad_of
 from learner.traj_grads.handlers import ApplyPlan, MicroBatchState
@@ -184,6 +184,7 @@ def accumulate_opob_grad_packed(
     temperature: float = DEFAULT_TEMPERATURE,
     coefficients_from_logprobs: CoefficientsFn | None = None,
     hooks_class: type[PackedGradHooks] = PackedGradHooks,
+    logits_chunk_mib: float | None = None,
 ) -> OpobGradResult:
     """OPOB gradient on packed micro-batches: one forward and one backward each, exact norms.
 
@@ -199,12 +200,14 @@ def accumulate_opob_grad_packed(
     only placeholders (zeros); the callback keeps the log-probs it needs (`learner.proximal: reuse`).
     `hooks_class`: what hooks `model`'s layers — `PackedGradHooks` for an HF causal LM; a backend with
     layers of its own passes its subclass (learner/backends/megatron/packed_grads.py).
+    `logits_chunk_mib`: the output head in chunks of target rows where its logits would pass this many MiB
+    (`learner.logits_chunk_mib`; None: never).
     Raises `UnsupportedParameterError` (naming them) if some trainable parameter has no hook. Hooks and
     `requires_grad` flags are always restored; after an exception `.grad` is partial.
     """
     num_trajectories = _check_coefs(reward_coefs, baseline_coefs)
     schedule = _GroupSchedule.build(microbatches, reward_coefs, baseline_coefs)
-    hooks = hooks_class(model, autocast_dtype, temperature)
+    hooks = hooks_class(model, autocast_dtype, temperature, logits_chunk_mib)
     cost = (dense_cost_flops if dense_cost_flops is not None
             else default_dense_cost_flops(hooks.device, autocast_dtype))
     sq_norms = torch.zeros(num_trajectories, dtype=torch.float32, device=hooks.device)
@@ -253,13 +256,15 @@ def _apply_plan(state: MicroBatchState, closing: list[int], baselines: dict[int,
 
 def _trajectory_grads(model: nn.Module, single: PackedMicroBatch, params: list[nn.Parameter],
                       autocast_dtype: torch.dtype | None = None,
-                      temperature: float = DEFAULT_TEMPERATURE) -> list[Tensor]:
+                      temperature: float = DEFAULT_TEMPERATURE, logits_chunk_mib: float | None = None
+                      ) -> list[Tensor]:
     """`∇ℓ` of a one-trajectory micro-batch for `params` by plain autograd (zeros where unused)."""
     if single.target_positions.numel() == 0:
         return [torch.zeros_like(p) for p in params]
     with torch.enable_grad():
         with autocast(single.input_ids.device, autocast_dtype):
-            logprobs = packed_target_logprobs(model, single, temperature=temperature)
+            logprobs = packed_target_logprobs(model, single, temperature=temperature,
+                                              chunks=head_chunk_plan(model, single, logits_chunk_mib))
         loglik = trajectory_logliks(logprobs, single)[0]
         grads = torch.autograd.grad(loglik, params, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
@@ -275,6 +280,7 @@ def accumulate_opob_grad_per_trajectory(
     rank_sq_norm: RankSqNorm | None = None,
     autocast_dtype: torch.dtype | None = None,
     temperature: float = DEFAULT_TEMPERATURE,
+    logits_chunk_mib: float | None = None,
 ) -> OpobGradResult:
     """The reference OPOB gradient: one forward/backward per trajectory, two buffers.
 
@@ -285,8 +291,8 @@ def accumulate_opob_grad_per_trajectory(
     `rank_sq_norm(params, grads)`: this rank's share of `‖g_i‖²` from its parameters and their
     gradients for trajectory i (default: `Σ ‖grad‖²` over all of them), called once per trajectory
     in the same order on every rank; with model parallelism the shares over the ranks must sum to
-    the whole norm (module docstring). `temperature`: as in `accumulate_opob_grad_packed`. `.grad` is
-    left untouched if it raises.
+    the whole norm (module docstring). `temperature`, `logits_chunk_mib`: as in
+    `accumulate_opob_grad_packed`. `.grad` is left untouched if it raises.
     """
     num_trajectories = _check_coefs(reward_coefs, baseline_coefs)
     schedule = _GroupSchedule.build(microbatches, reward_coefs, baseline_coefs)
@@ -298,7 +304,8 @@ def accumulate_opob_grad_per_trajectory(
     for m, batch in enumerate(microbatches):
         for j in range(batch.num_trajectories):
             index, group = int(batch.trajectory_indices[j]), int(batch.group_ids[j])
-            grads = _trajectory_grads(model, batch.select(j), params, autocast_dtype, temperature)
+            grads = _trajectory_grads(model, batch.select(j), params, autocast_dtype, temperature,
+                                      logits_chunk_mib)
             sq_norms[index] = (rank_sq_norm or sum_sq_norm)(params, grads)
             reward_coef, baseline_coef = float(reward_coefs[index]), float(baseline_coefs[index])
             for param, grad in zip(params, grads, strict=True):

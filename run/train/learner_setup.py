@@ -72,4 +72,5 @@ def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Torch
                         autocast_proximal=config.learner.autocast_proximal,
                         proximal=config.learner.proximal, share_prompts=config.learner.share_prompts,
                         fused_elementwise=fused,
-                        data_parallel=join_data_parallel_from_env(device))
+                        data_parallel=join_data_parallel_from_env(device),
+                        logits_chunk_mib=config.learner.logits_chunk_mib)

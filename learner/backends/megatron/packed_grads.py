@@ -55,11 +55,11 @@ class MegatronPackedGradHooks(PackedGradHooks):
     """`PackedGradHooks` on a `MegatronCausalLM` whose layout `fast_path_problem` accepts."""
 
     def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None,
-                 temperature: float = DEFAULT_TEMPERATURE) -> None:
+                 temperature: float = DEFAULT_TEMPERATURE, logits_chunk_mib: float | None = None) -> None:
         problem = fast_path_problem(model)
         if problem is not None:
             raise ValueError(f"the fast per-trajectory gradient path cannot run here: {problem}")
-        super().__init__(model, autocast_dtype, temperature)
+        super().__init__(model, autocast_dtype, temperature, logits_chunk_mib)
 
     def _scan(self, model: nn.Module) -> None:
         from megatron.core.tensor_parallel import (
