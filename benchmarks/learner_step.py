@@ -32,10 +32,13 @@ log-probs are random near the model's), or measure weight sync.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
 import resource
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -79,8 +82,8 @@ def random_batch(batch: BenchBatch, vocab_size: int, seed: int = 0) -> StepInput
     trajectories, group_ids = [], []
     for group in range(batch.groups):
         prompt = tuple(rng.randrange(vocab_size) for _ in range(batch.prompt))
+        mask = batch.loss_mask()
         for member in range(batch.group_size):
-            mask = (False,) * (batch.tokens - batch.sampled) + (True,) * batch.sampled
             rest = tuple(rng.randrange(vocab_size) for _ in range(batch.tokens - batch.prompt))
             trajectories.append(Trajectory(
                 trajectory_id=f"b{group}.{member}", group_id=str(group),
@@ -136,7 +139,8 @@ def unsupported_reason(backend: str, device: str, dtype: str) -> str | None:
 
 def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: torch.dtype,
            micro_batch_tokens: int, megatron: MegatronConfig, proximal: str = "auto",
-           share_prompts: bool = True, fused_elementwise: bool = False) -> TorchLearner:
+           share_prompts: bool = True, fused_elementwise: bool = False, recompute: bool = False,
+           logits_chunk_mib: float | None = None) -> TorchLearner:
     optim = OptimConfig(lr=1e-6)
     if backend in ("torch", "torch-autocast"):
         from transformers import AutoModelForCausalLM
@@ -151,9 +155,14 @@ def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: tor
             autocast = torch.bfloat16
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
         model.set_attn_implementation(register_varlen_sdpa())
+        if recompute:
+            model.gradient_checkpointing_enable()
         return TorchLearner(model, algo, optim, micro_batch_tokens=micro_batch_tokens,
                             autocast_dtype=autocast, proximal=proximal, share_prompts=share_prompts,
-                            fused_elementwise=fused_elementwise)
+                            fused_elementwise=fused_elementwise, logits_chunk_mib=logits_chunk_mib)
+    if recompute:
+        raise ValueError("recompute: the megatron learner refuses model.gradient_checkpointing (its own "
+                         "recompute_granularity is not wired to VCPO's norms yet)")
     if not device.startswith("cuda"):
         raise ValueError("the megatron learner benchmark needs CUDA (megatron-core hard-codes torch.cuda); "
                          "use device='cuda' or backend='torch'")
@@ -181,11 +190,16 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
                   dtype: Literal["float32", "bfloat16"] = "float32", micro_batch_tokens: int = 4096,
                   steps: int = 3, warmup: int = 1, megatron: MegatronConfig | None = None,
                   proximal: str = "auto", share_prompts: bool = True, fused_elementwise: bool = False,
-                  peak_gemm_size: int = 4096, seed: int = 0) -> dict[str, Any]:
+                  peak_gemm_size: int = 4096, seed: int = 0, recompute: bool = False,
+                  logits_chunk_mib: float | None = 512.0, hf_dir: Path | None = None,
+                  with_kernel_floor: bool = True) -> dict[str, Any]:
     """Time `steps` learner steps (after `warmup`) on one random batch; a JSON-able dict of the results.
 
     `peak_memory_mib`: CUDA peak allocated bytes on GPUs; on CPU the process's peak RSS (includes
-    everything the process ever held, e.g. the checkpoint written at the start).
+    everything the process ever held, e.g. the checkpoint written at the start). `recompute`: activation
+    recompute (`model.gradient_checkpointing`); `logits_chunk_mib`: `learner.logits_chunk_mib`; `hf_dir`:
+    a random checkpoint written already (else one is written here); `with_kernel_floor`: also time the
+    step's kernels alone.
     """
     shape, batch = shape or BenchShape(), batch or BenchBatch()
     fused_elementwise = fused_elementwise and backend != "megatron"  # a torch-learner option
@@ -194,10 +208,12 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
                                       "group_size": batch.group_size})
     torch_dtype = getattr(torch, dtype)
     with tempfile.TemporaryDirectory(prefix="vcpo-bench-learner-") as tmp:
-        hf_dir = write_random_checkpoint(shape, Path(tmp) / "model", seed)
+        if hf_dir is None:
+            hf_dir = write_random_checkpoint(shape, Path(tmp) / "model", seed)
         built = time.perf_counter()
         learner = _build(backend, hf_dir, device, algo, torch_dtype, micro_batch_tokens,
-                         megatron or MegatronConfig(), proximal, share_prompts, fused_elementwise)
+                         megatron or MegatronConfig(), proximal, share_prompts, fused_elementwise,
+                         recompute, logits_chunk_mib)
         # progress on stderr (`vcpo -v`): a bench cut at a time limit writes no JSON, its log says where
         log.info("%s: learner built in %.1f s", backend, time.perf_counter() - built)
     step_input = random_batch(batch, shape.vocab_size, seed)
@@ -237,7 +253,7 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
     proximal_flops = 0.0 if reuses else flops["proximal_forward_flops"] * forwarded
     roofline_s = (proximal_flops / (peaks[dtype] * 1e9) + flops["model_flops"] / (peaks[matmul_dtype] * 1e9))
     optimizer_s = sum(phases["time/learner_optimizer"]) / steps
-    floor = None if backend == "megatron" else kernel_floor(
+    floor = None if backend == "megatron" or not with_kernel_floor else kernel_floor(
         shape, batch, micro_batch_tokens=micro_batch_tokens, matmul_dtype=getattr(torch, matmul_dtype),
         weight_dtype=torch_dtype, per_trajectory_norms=objective == "vcpo", separate_proximal=not reuses,
         share_prompts=share_prompts, optimizer_s=optimizer_s, model_flops=flops["model_flops"],
@@ -245,7 +261,8 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
     return {
         "backend": backend, "device": device, "dtype": dtype, "matmul_dtype": matmul_dtype,
         "objective": objective, "grad_norm_path": grad_norm_path if objective == "vcpo" else None,
-        "proximal": proximal, "reuses_gradient_forward": reuses,
+        "proximal": proximal, "reuses_gradient_forward": reuses, "recompute": recompute,
+        "logits_chunk_mib": logits_chunk_mib,
         "share_prompts": share_prompts, "fused_elementwise": fused_elementwise,
         "prompt_tokens_shared_per_step": float(metrics.get("train/prompt_tokens_shared", 0.0)),
         "shape": asdict(shape), "batch": asdict(batch), "micro_batch_tokens": micro_batch_tokens,
@@ -263,19 +280,18 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
 
 def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
     """`vcpo bench learner`: every configured backend on the same model and batch; a backend that cannot
-    run here keeps its row with the reason; `vs_torch` = tokens/s relative to the torch learner."""
+    run here keeps its row with the reason; `vs_torch` = tokens/s relative to the torch learner. With a
+    `sweep`, the long-trajectory sweep instead (`run_learner_sweep`)."""
+    if config.sweep is not None:
+        return run_learner_sweep(config)
     device = learner_device(config.device)
-    shape = BenchShape(kind=config.kind, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                       intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
-                       num_attention_heads=config.num_attention_heads,
-                       num_key_value_heads=config.num_key_value_heads)
+    shape = _shape(config)
     batch = BenchBatch(groups=config.groups, group_size=config.group_size, tokens=config.tokens,
                        sampled=config.sampled, prompt=config.prompt)
     fused, _ = resolve_fused_elementwise(config.fused_elementwise, torch.device(device))  # as in a run
     results: dict[str, Any] = {}
     for backend in config.backends:
-        skip = None if config.force_emulated or backend == "megatron" else unsupported_reason(
-            backend, device, config.dtype)
+        skip = _skip_reason(config, backend, device)
         if skip is not None:
             results[backend] = {"backend": backend, "device": device, "skipped": skip}
             continue
@@ -287,7 +303,8 @@ def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
                                              warmup=config.warmup, proximal=config.proximal,
                                              share_prompts=config.share_prompts,
                                              fused_elementwise=fused,
-                                             peak_gemm_size=config.peak_gemm_size)
+                                             peak_gemm_size=config.peak_gemm_size,
+                                             logits_chunk_mib=config.logits_chunk_mib)
         except (ValueError, RuntimeError, ImportError) as exc:
             results[backend] = {"backend": backend, "device": device, "error": f"{type(exc).__name__}: {exc}"}
     baseline = results.get("torch", {}).get("tokens_per_s")
@@ -297,3 +314,119 @@ def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
     return {"config": config.model_dump(mode="json"), "device": device, "host": host_description(),
             "results": results}
 
+
+def _shape(config: LearnerBenchConfig) -> BenchShape:
+    return BenchShape(kind=config.kind, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                      intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+                      num_attention_heads=config.num_attention_heads,
+                      num_key_value_heads=config.num_key_value_heads)
+
+
+def _skip_reason(config: LearnerBenchConfig, backend: str, device: str) -> str | None:
+    if config.force_emulated or backend == "megatron":
+        return None
+    return unsupported_reason(backend, device, config.dtype)
+
+
+SWEEP_STEPS = {"grpo": ("grpo", "fast"), "vcpo_fast": ("vcpo", "fast"),
+               "vcpo_per_trajectory": ("vcpo", "per_trajectory")}
+"""A sweep row → (objective, VCPO's norm path)."""
+
+
+def sweep_batch(config: LearnerBenchConfig, length: int) -> BenchBatch:
+    """The sweep's minibatch at `length` tokens a trajectory (its shares of prompt and sampled tokens)."""
+    sweep = config.sweep
+    assert sweep is not None
+    sampled = max(sweep.turns, round(sweep.sampled_share * length))
+    prompt = min(round(sweep.prompt_share * length), length - sampled - 1)
+    return BenchBatch(groups=config.groups, group_size=config.group_size, tokens=length, sampled=sampled,
+                      prompt=max(prompt, 1), turns=sweep.turns)
+
+
+def run_learner_sweep(config: LearnerBenchConfig) -> dict[str, Any]:
+    """Every backend × length × recompute × row of `config.sweep` (module docstring), each in its own process
+    where `sweep.isolate`; a row that fails or runs out of memory keeps its place with the reason.
+    `ratios`: each row's mean step time over GRPO's at the same backend, length and recompute."""
+    sweep = config.sweep
+    assert sweep is not None
+    device = learner_device(config.device)
+    shape = _shape(config)
+    fused, _ = resolve_fused_elementwise(config.fused_elementwise, torch.device(device))
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="vcpo-bench-learner-sweep-") as tmp:
+        hf_dir = write_random_checkpoint(shape, Path(tmp) / "model")
+        for backend in config.backends:
+            skip = _skip_reason(config, backend, device)
+            for length in sweep.lengths:
+                batch = sweep_batch(config, length)
+                for recompute in sweep.recompute:
+                    for name in sweep.rows:
+                        objective, path = SWEEP_STEPS[name]
+                        where = {"backend": backend, "row": name, "length": length, "recompute": recompute}
+                        if skip is not None:
+                            rows.append({**where, "skipped": skip})
+                            continue
+                        kwargs = {"backend": backend, "device": device, "shape": asdict(shape),
+                                  "batch": asdict(batch), "objective": objective, "grad_norm_path": path,
+                                  "dtype": config.dtype,
+                                  "micro_batch_tokens": max(config.micro_batch_tokens, length),
+                                  "steps": config.steps, "warmup": config.warmup, "proximal": config.proximal,
+                                  "share_prompts": config.share_prompts, "fused_elementwise": fused,
+                                  "peak_gemm_size": config.peak_gemm_size, "recompute": recompute,
+                                  "logits_chunk_mib": config.logits_chunk_mib, "hf_dir": str(hf_dir),
+                                  "with_kernel_floor": False}
+                        log.info("sweep: %s %s at %d tokens, recompute %s", backend, name, length, recompute)
+                        rows.append({**where, **_sweep_row(kwargs, sweep.isolate, sweep.row_timeout_s)})
+    return {"config": config.model_dump(mode="json"), "device": device, "host": host_description(),
+            "rows": rows, "ratios": sweep_ratios(rows)}
+
+
+def sweep_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (backend, length, recompute): each timed row's mean step time ÷ GRPO's, and its peak memory."""
+    grpo = {(r["backend"], r["length"], r["recompute"]): r["step_s_mean"]
+            for r in rows if r["row"] == "grpo" and "step_s_mean" in r}
+    out = []
+    for r in rows:
+        key = (r["backend"], r["length"], r["recompute"])
+        if r["row"] != "grpo" and "step_s_mean" in r and key in grpo:
+            out.append({"backend": r["backend"], "length": r["length"], "recompute": r["recompute"],
+                        "row": r["row"], "over_grpo": r["step_s_mean"] / grpo[key]})
+    return out
+
+
+def _sweep_row(kwargs: dict[str, Any], isolate: bool, timeout_s: float) -> dict[str, Any]:
+    """One sweep row's result (or its error), run here or in a fresh process."""
+    if not isolate:
+        try:
+            return bench_learner(**_row_arguments(kwargs))
+        except (ValueError, RuntimeError, ImportError) as exc:  # an OOM is a RuntimeError too
+            return {"error": f"{type(exc).__name__}: {exc}"}
+    code = "from benchmarks.learner_step import sweep_row_main; sweep_row_main()"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], input=json.dumps(kwargs), capture_output=True,
+                              text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    sys.stderr.write(done.stderr)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {done.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def _row_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {**kwargs, "shape": BenchShape(**kwargs["shape"]), "batch": BenchBatch(**kwargs["batch"]),
+            "hf_dir": Path(kwargs["hf_dir"])}
+
+
+def sweep_row_main() -> None:
+    """A sweep row in a fresh process: its arguments as JSON on stdin, its result as one JSON line on stdout
+    (an error as {"error": ...})."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    kwargs = json.loads(sys.stdin.read())
+    try:
+        result = bench_learner(**_row_arguments(kwargs))
+    except (ValueError, RuntimeError, ImportError) as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(result))

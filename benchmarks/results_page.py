@@ -187,6 +187,10 @@ def _gpu_part_figure(name: str, result: dict[str, Any]) -> str:
         return f"{result['n_passed']} passed, {result['n_failed']} failed, {result['n_skipped']} skipped"
     if name.startswith("bench_opob"):
         return f"{len(result['rows'])} rows, peak memory {result['peak_memory_mib'] / 1024:.1f} GiB"
+    if name.endswith("_long"):
+        return "; ".join(f"{r['backend']} {r['row']} at {r['length']} tokens, recompute "
+                         f"{'on' if r['recompute'] else 'off'}: {r['over_grpo']:.2f}× GRPO"
+                         for r in result.get("ratios", []))
     if name.startswith(("bench_learner", "bench_megatron")):
         return ", ".join(f"{backend}: {row.get('step_s_mean', float('nan')):.2f} s per step"
                          for backend, row in result.items() if isinstance(row, dict) and "step_s_mean" in row)
@@ -361,6 +365,48 @@ def bench_learner(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _memory(row: dict[str, Any]) -> str:
+    return f"{row['peak_memory_mib'] / 1024:.1f}" if "peak_memory_mib" in row else "—"
+
+
+def bench_learner_long(data: dict[str, Any]) -> str:
+    """`vcpo bench learner` with a sweep (benchmarks/configs/learner_long.yaml): per backend, length and
+    recompute setting, GRPO's step, VCPO's on the fast and the per-trajectory norm paths with their ratio to
+    GRPO's, each row's peak memory (its own process) and model FLOPs as a share of the measured matmul peak;
+    a row that did not run with its reason."""
+    lines = ["| learner | tokens / trajectory | recompute | GRPO step | VCPO fast (÷ GRPO) | VCPO per "
+             "trajectory (÷ GRPO) | peak memory GiB (GRPO / fast / per traj.) | model FLOPs of peak "
+             "(GRPO / fast) |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    cells: dict[tuple[str, int, bool], dict[str, dict[str, Any]]] = {}
+    for row in data["rows"]:
+        cells.setdefault((row["backend"], row["length"], row["recompute"]), {})[row["row"]] = row
+
+    def step(row: dict[str, Any] | None, grpo: dict[str, Any] | None) -> str:
+        if row is None:
+            return "—"
+        if "step_s_mean" not in row:
+            return (row.get("skipped") or row.get("error") or "did not run").splitlines()[0][:80]
+        ratio = f" (**{row['step_s_mean'] / grpo['step_s_mean']:.2f}×**)" if grpo and "step_s_mean" in grpo \
+            and row is not grpo else ""
+        return f"{row['step_s_mean']:.2f} s{ratio}"
+
+    for (backend, length, recompute), rows in cells.items():
+        grpo, fast, per = rows.get("grpo"), rows.get("vcpo_fast"), rows.get("vcpo_per_trajectory")
+        memory = " / ".join(_memory(r) if r else "—" for r in (grpo, fast, per))
+        mfu = " / ".join(f"{100 * r['mfu']:.0f}%" if r and "mfu" in r else "—" for r in (grpo, fast))
+        lines.append(f"| {backend} | {length} | {'on' if recompute else 'off'} | {step(grpo, None)} | "
+                     f"{step(fast, grpo)} | {step(per, grpo)} | {memory} | {mfu} |")
+    config, sweep = data["config"], data["config"]["sweep"]
+    lines.append(f"\n{config['groups']} group × {config['group_size']} trajectories a step, each a "
+                 f"{100 * sweep['prompt_share']:.0f}% prompt and {100 * sweep['sampled_share']:.0f}% sampled "
+                 f"tokens in {sweep['turns']} turns with tool outputs between; {config['kind']} "
+                 f"{config['hidden_size']}×{config['num_hidden_layers']} layers, vocabulary "
+                 f"{config['vocab_size']}, {config['dtype']} weights; peak memory is RSS on CPU, "
+                 f"max_memory_allocated on a GPU; on {data['device']}; host {_host(data['host'])}.")
+    return "\n".join(lines) + "\n"
+
+
 def bench_opob(data: dict[str, Any]) -> str:
     """`vcpo bench opob`: per trajectory length one complete optimizer step of GRPO and of VCPO (fast exact
     norms, per-trajectory norms), the proximal forward apart, and fast VCPO's cost over GRPO's."""
@@ -443,6 +489,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "gpu_check_parts": gpu_check_parts,
     "bench_sandbox": bench_sandbox,
     "bench_learner": bench_learner,
+    "bench_learner_long": bench_learner_long,
     "bench_opob": bench_opob,
     "bench_engine": bench_engine,
     "bench_async": bench_async,

@@ -88,6 +88,43 @@ class MainJobBenchConfig(StrictModel):
     above 0, and no evaluation falls significantly below the start."""
 
 
+LearnerSweepRow = Literal["grpo", "vcpo_fast", "vcpo_per_trajectory"]
+"""A step the long-trajectory sweep times: GRPO, VCPO with its packed per-trajectory norms, or VCPO with one
+backward per trajectory."""
+
+
+class LearnerSweepConfig(StrictModel):
+    """`vcpo bench learner` at long trajectories (benchmarks/learner_step.py `run_learner_sweep`): every
+    length × recompute × row on the config's model, `groups × group_size` multi-turn trajectories of each
+    length (a prompt, `turns` sampled segments with tool outputs between), one trajectory per micro-batch
+    (or more, if `micro_batch_tokens` is larger), each row in a fresh process so its peak memory is its
+    own."""
+
+    lengths: list[Annotated[int, Field(ge=64)]] = Field(default_factory=lambda: [2048, 8192, 16384])
+    """Tokens per trajectory."""
+    rows: list[LearnerSweepRow] = Field(default_factory=lambda: ["grpo", "vcpo_fast", "vcpo_per_trajectory"])
+    """The steps timed at each length; the ratios are against 'grpo'."""
+    recompute: list[bool] = Field(default_factory=lambda: [False, True])
+    """Activation recompute off and/or on (`model.gradient_checkpointing`)."""
+    turns: int = Field(4, ge=1)
+    """Sampled segments per trajectory (tool outputs between them)."""
+    prompt_share: float = Field(0.1, ge=0.0, lt=1.0)
+    """The prompt's share of a trajectory's tokens."""
+    sampled_share: float = Field(0.6, gt=0.0, le=1.0)
+    """The sampled (trained) share; the rest are tool outputs."""
+    isolate: bool = True
+    """Each row in its own process (peak RSS on CPU is a process's lifetime peak)."""
+    row_timeout_s: float = Field(1800.0, gt=0)
+    """A row still running after this long is stopped and reported as timed out."""
+
+    @model_validator(mode="after")
+    def _check_shares(self) -> LearnerSweepConfig:
+        if self.prompt_share + self.sampled_share > 1.0:
+            raise ValueError(f"prompt_share ({self.prompt_share}) + sampled_share ({self.sampled_share}) "
+                             "must not exceed 1")
+        return self
+
+
 class LearnerBenchConfig(StrictModel):
     """`vcpo bench learner` (benchmarks/learner_step.py): optimizer steps of each learner backend
     on one random minibatch of a random model, by default the default run's step (SmolLM2-135M's shape,
@@ -155,6 +192,11 @@ class LearnerBenchConfig(StrictModel):
     force_emulated: bool = False
     """Run a bf16 backend even where the device only emulates bf16 (minutes per step on AVX2-only CPUs);
     by default such a row is skipped at once with the reason."""
+    logits_chunk_mib: float | None = Field(512.0, gt=0)
+    """`learner.logits_chunk_mib`: the output head in chunks where a micro-batch's logits would pass it."""
+    sweep: LearnerSweepConfig | None = None
+    """Time long trajectories instead of the one step above: every length × recompute × row
+    (benchmarks/configs/learner_long.yaml); `tokens`, `prompt`, `sampled` are then the sweep's."""
 
     @model_validator(mode="after")
     def _check_lengths(self) -> LearnerBenchConfig:

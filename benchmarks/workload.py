@@ -43,6 +43,25 @@ class BenchBatch:
     tokens: int = 240
     sampled: int = 70
     prompt: int = 150
+    turns: int = 1
+    """Sampled segments per trajectory. 1: the untrained tokens after the prompt, then the `sampled` ones
+    (the default run's shape). n > 1, a multi-turn episode: after the prompt, n sampled segments with the
+    untrained tokens (tool outputs) spread over the n − 1 gaps between them."""
 
     def __post_init__(self) -> None:
         check_bench_lengths(self.tokens, self.prompt, self.sampled)
+        if self.turns < 1 or self.turns > self.sampled:
+            raise ValueError(f"turns={self.turns} must be between 1 and sampled={self.sampled}")
+
+    def loss_mask(self) -> tuple[bool, ...]:
+        """Which of a trajectory's tokens are trained (module docstring's layouts)."""
+        untrained = self.tokens - self.prompt - self.sampled
+        if self.turns == 1:
+            return (False,) * (self.tokens - self.sampled) + (True,) * self.sampled
+        mask = [False] * self.prompt
+        for turn in range(self.turns):
+            mask += [True] * (self.sampled * (turn + 1) // self.turns - self.sampled * turn // self.turns)
+            if turn < self.turns - 1:
+                gap = untrained * (turn + 1) // (self.turns - 1) - untrained * turn // (self.turns - 1)
+                mask += [False] * gap
+        return tuple(mask)

@@ -115,6 +115,14 @@ def _learner_summary(work: Path, rehearse: bool, name: str) -> dict[str, Any]:
     return {backend: {k: row[k] for k in keep if k in row} for backend, row in results.items()}
 
 
+def _sweep_summary(work: Path, rehearse: bool, name: str) -> dict[str, Any]:
+    data = _json(work / f"{name}.json")
+    keep = ("backend", "row", "length", "recompute", "step_s_mean", "phases_s_mean", "tokens_per_s", "mfu",
+            "model_gflops_per_s", "matmul_peak_gflops", "peak_memory_mib", "error", "skipped")
+    return {"rows": [{k: row[k] for k in keep if k in row} for row in data.get("rows", [])],
+            "ratios": data.get("ratios", [])}
+
+
 def _opob_summary(work: Path, rehearse: bool, name: str) -> dict[str, Any]:
     data = _json(work / f"{name}.json")
     return {key: data.get(key) for key in ("dtype", "device", "parameters", "peak_memory_mib", "rows")}
@@ -184,6 +192,20 @@ def _learner_argv(dtype: str, backends: str, name: str) -> Callable[[Path, bool]
     return argv
 
 
+_TINY_SWEEP = ["dtype=float32", "hidden_size=64", "intermediate_size=128", "num_hidden_layers=2",
+               "num_attention_heads=4", "num_key_value_heads=2", "vocab_size=512", "group_size=2", "steps=1",
+               "peak_gemm_size=256", "sweep.lengths=[128]", "logits_chunk_mib=0.01"]
+
+
+def _sweep_argv(backends: str, name: str, extra: tuple[str, ...] = ()) -> Callable[[Path, bool], list[str]]:
+    def argv(work: Path, rehearse: bool) -> list[str]:
+        sizes = _TINY_SWEEP if rehearse else []
+        return _vcpo("-v", "bench", "learner", "--config", "benchmarks/configs/learner_long_gpu.yaml",
+                     f"device={'cpu' if rehearse else 'cuda'}", f"backends={backends}", *extra, *sizes,
+                     "--out", str(work / f"{name}.json"))
+    return argv
+
+
 def _opob_argv(dtype: str) -> Callable[[Path, bool], list[str]]:
     def argv(work: Path, rehearse: bool) -> list[str]:
         sizes = ["model=tiny", "lengths=[64]", "repeats=1"] if rehearse else []
@@ -219,6 +241,14 @@ PARTS = [
     # the main job whole (`bash scripts/run.sh`'s run: warm start from the carried GGUF, 10 steps of VCPO at
     # k = 2, held-out success on 128 prompts before, at step 5 and after), engine and learner on the GPU;
     # every held-out episode in one engine batch (on 2 CPU cores 32 at a time is what pays)
+    # long trajectories (16k tokens, a Qwen2.5-1.5B shape in bf16): GRPO, VCPO fast, VCPO per trajectory,
+    # recompute off/on, each row in its own process; megatron at TP = 1 without recompute (it refuses it),
+    # at 4k too: its local attention's dense (N, N) scores grow with the square of the micro-batch
+    Part("bench_learner_long", 330, _sweep_argv("[torch]", "learner_long"),
+         lambda work, rehearse: _sweep_summary(work, rehearse, "learner_long")),
+    Part("bench_megatron_long", 170, _sweep_argv("[megatron]", "megatron_long", (
+        "sweep.recompute=[false]", "sweep.rows=[grpo,vcpo_fast]", "sweep.lengths=[4096,16384]")),
+         lambda work, rehearse: _sweep_summary(work, rehearse, "megatron_long")),
     Part("main_job", 330, _train_argv("main_job", ["trainer.eval_concurrency=128",
                                                    "engine.max_batch_size=160"], 2),
          _main_job_summary),

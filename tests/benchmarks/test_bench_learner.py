@@ -131,3 +131,55 @@ def test_the_python_defaults_are_the_cli_defaults_and_bad_lengths_are_refused() 
                                       tokens=config.tokens, sampled=config.sampled, prompt=config.prompt)
     with pytest.raises(ValueError, match="must not exceed tokens"):
         BenchBatch(tokens=100, sampled=70, prompt=50)
+
+
+def test_a_multi_turn_batch_alternates_sampled_segments_and_tool_outputs() -> None:
+    batch = BenchBatch(groups=1, group_size=2, tokens=20, sampled=9, prompt=3, turns=3)
+    mask = batch.loss_mask()
+    assert len(mask) == 20 and sum(mask) == 9 and not any(mask[:3])
+    runs = [(value, len(list(group))) for value, group in __import__("itertools").groupby(mask)]
+    assert runs == [(False, 3), (True, 3), (False, 4), (True, 3), (False, 4), (True, 3)]
+    assert BenchBatch(tokens=10, sampled=4, prompt=2).loss_mask() == (False,) * 6 + (True,) * 4
+    with pytest.raises(ValueError, match="turns"):
+        BenchBatch(tokens=10, sampled=2, prompt=2, turns=3)
+
+
+SWEEP_TINY = ["backends=[torch]", "device=cpu", "kind=qwen2", "vocab_size=128", "hidden_size=32",
+              "intermediate_size=64", "num_hidden_layers=1", "num_attention_heads=2",
+              "num_key_value_heads=1", "groups=1", "group_size=2", "steps=1", "warmup=0",
+              "peak_gemm_size=128", "logits_chunk_mib=0.001"]
+
+
+def test_the_learner_sweep_times_every_row_with_ratios_against_grpo(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    overrides = [*SWEEP_TINY, "sweep.lengths=[64,128]", "sweep.recompute=[false,true]", "sweep.isolate=false"]
+    assert main(["bench", "learner", "--config", "benchmarks/configs/learner_long.yaml", "--out", str(out),
+                 *overrides]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert not [row for row in rows if "error" in row or "skipped" in row]
+    assert [(r["length"], r["recompute"], r["row"]) for r in rows] == [
+        (n, rc, row) for n in (64, 128) for rc in (False, True)
+        for row in ("grpo", "vcpo_fast", "vcpo_per_trajectory")]
+    for row in rows:
+        assert row["batch"]["tokens"] == row["length"] and row["batch"]["turns"] == 4
+        assert row["micro_batch_tokens"] >= row["length"] and row["peak_memory_mib"] > 0
+        assert (row["objective"], row["grad_norm_path"]) == {
+            "grpo": ("grpo", None), "vcpo_fast": ("vcpo", "fast"),
+            "vcpo_per_trajectory": ("vcpo", "per_trajectory")}[row["row"]]
+    ratios = {(r["length"], r["recompute"], r["row"]): r["over_grpo"] for r in result["ratios"]}
+    by_key = {(r["length"], r["recompute"], r["row"]): r["step_s_mean"] for r in rows}
+    assert len(ratios) == 8
+    assert ratios[(128, True, "vcpo_fast")] == pytest.approx(
+        by_key[(128, True, "vcpo_fast")] / by_key[(128, True, "grpo")])
+
+
+def test_an_isolated_sweep_row_runs_in_a_process_of_its_own(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    overrides = [*SWEEP_TINY, "sweep.lengths=[64]", "sweep.recompute=[true]", "sweep.rows=[vcpo_fast]"]
+    assert main(["bench", "learner", "--config", "benchmarks/configs/learner_long.yaml", "--out", str(out),
+                 *overrides]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["recompute"] is True and row["step_s_mean"] > 0
+    # the child's own peak RSS: a fresh interpreter with torch, far below this test process's
+    assert 0 < row["peak_memory_mib"] < 4096
