@@ -12,7 +12,8 @@
 * `sandbox` — the local sandbox's latency and throughput against a bare `python3 -c` (`sandbox`)
 
 `schema` holds their configurations, `configs/` (`BENCH_CONFIG_ROOT`) the shipped presets, and
-`results_page` renders docs/results.md's and the README's tables from the committed JSON.
+`results_page` renders docs/results.md's, docs/performance.md's and the README's tables from the committed
+JSON.
 
 May import: `vcpo`, `configs`, `tools`, `rollout`, `agent_env`, `learner`, `run`. The `vcpo` command above it
 imports a benchmark only when it runs one.

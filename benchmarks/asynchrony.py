@@ -32,8 +32,8 @@ The most overlap can give (`overlap_bound`, from the k = 0 run's steady steps) i
 `by_overlap` = (generate + train + weight sync) ÷ max(generate, train + weight sync), both sides entirely
 overlapped and neither slowed by the other, and `by_cores` = 1 / utilisation (CPU-seconds over wall ×
 cores): the same CPU work cannot finish sooner than CPU-seconds ÷ cores. On a machine whose cores both
-sides share, `by_cores` is the one that binds: docs/results.md measured each side's busy time doubling beside
-the other (docs/results.md). It is an estimate, not a strict bound: CPU-seconds include OpenMP workers
+sides share, `by_cores` is the one that binds: docs/performance.md measured each side's busy time doubling
+beside the other. It is an estimate, not a strict bound: CPU-seconds include OpenMP workers
 spinning between parallel regions (up to ~300,000 iterations each while a process's teams fit its cores),
 and overlap can turn part of that spin into work (141 CPU-seconds at k = 0, 102 at k = 4 for the same
 steps once, on a workload without a gradient pass). `gap_to_bound` = bound ÷ measured speedup (the

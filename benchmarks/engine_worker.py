@@ -5,7 +5,7 @@ Why a process per backend: torch's CPU kernels run on libgomp, which keeps one O
 thread; once the teams in a process hold more threads than there are cores, libgomp stops spinning
 between parallel regions and every region pays a futex wake-up. A decode step is hundreds of small
 regions, so an engine measured while another engine's idle thread was alive in the same process ran at
-about half speed (docs/results.md). Idle workers in other processes sleep and cost nothing, so every
+about half speed (docs/performance.md). Idle workers in other processes sleep and cost nothing, so every
 backend can stay up for the whole run and the parent can interleave their measurements in time.
 
 Protocol (JSON lines). The parent writes the setup as the first line of stdin:

@@ -1,5 +1,6 @@
-"""The tables of docs/results.md and the README that come from committed JSON, rendered from it, so a figure
-cannot drift from its data: each table sits between two markers naming its renderer and its file,
+"""The tables of docs/results.md, docs/performance.md and the README that come from committed JSON, rendered
+from it, so a figure cannot drift from its data: each table sits between two markers naming its renderer and
+its file,
 
     <!-- generated: staleness_ten_seeds from docs/results/staleness_10seeds.json -->
     | ... |
@@ -23,7 +24,7 @@ from benchmarks.staleness.bench import mean_ci_text
 from benchmarks.staleness.timed import format_timed
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = (ROOT / "docs" / "results.md", ROOT / "README.md")
+PAGES = (ROOT / "docs" / "results.md", ROOT / "docs" / "performance.md", ROOT / "README.md")
 """The pages with generated blocks."""
 
 _BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) from (?P<path>[\w./-]+) -->\n)(?P<body>.*?)"
@@ -188,9 +189,11 @@ def _gpu_part_figure(name: str, result: dict[str, Any]) -> str:
     if name.startswith("bench_opob"):
         return f"{len(result['rows'])} rows, peak memory {result['peak_memory_mib'] / 1024:.1f} GiB"
     if name.endswith("_long"):
-        return "; ".join(f"{r['backend']} {r['row']} at {r['length']} tokens, recompute "
-                         f"{'on' if r['recompute'] else 'off'}: {r['over_grpo']:.2f}× GRPO"
-                         for r in result.get("ratios", []))
+        rows = result.get("rows", [])
+        timed = sum("step_s_mean" in row for row in rows)
+        oom = sum("out of memory" in row.get("error", "") for row in rows)
+        other = len(rows) - timed - oom
+        return f"{len(rows)} rows: {timed} timed, {oom} out of memory, {other} other (its table)"
     if name.startswith(("bench_learner", "bench_megatron")):
         return ", ".join(f"{backend}: {row.get('step_s_mean', float('nan')):.2f} s per step"
                          for backend, row in result.items() if isinstance(row, dict) and "step_s_mean" in row)
@@ -365,6 +368,15 @@ def bench_learner(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _short_reason(row: dict[str, Any]) -> str:
+    """Why a row has no figure, in a table cell's words (out of memory: the allocation that failed)."""
+    reason = (row.get("skipped") or row.get("error") or "did not run").splitlines()[0]
+    oom = re.search(r"out of memory\. Tried to allocate ([\d.]+ [KMG]iB)", reason)
+    if oom:
+        return f"out of memory (an allocation of {oom[1]})"
+    return reason[:80]
+
+
 def _memory(row: dict[str, Any]) -> str:
     return f"{row['peak_memory_mib'] / 1024:.1f}" if "peak_memory_mib" in row else "—"
 
@@ -386,7 +398,7 @@ def bench_learner_long(data: dict[str, Any]) -> str:
         if row is None:
             return "—"
         if "step_s_mean" not in row:
-            return (row.get("skipped") or row.get("error") or "did not run").splitlines()[0][:80]
+            return _short_reason(row)
         ratio = f" (**{row['step_s_mean'] / grpo['step_s_mean']:.2f}×**)" if grpo and "step_s_mean" in grpo \
             and row is not grpo else ""
         return f"{row['step_s_mean']:.2f} s{ratio}"

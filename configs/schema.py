@@ -681,7 +681,7 @@ class LearnerConfig(StrictModel):
     forward of its own, in the weights' dtype, before the gradient pass. 'reuse' (the authors'
     `skip_recompute_old_log_prob`): the gradient pass's own forward — one step per minibatch, so
     π_θ = π_old there — which saves that forward (about a quarter of a VCPO step) but under autocast
-    gives IS weights with bf16 rounding in them (measured in docs/results.md). 'auto': 'reuse' where
+    gives IS weights with bf16 rounding in them (measured in docs/performance.md). 'auto': 'reuse' where
     that forward is in the weights' dtype anyway (no autocast: the same log-probs), else 'separate'.
     Reuse applies to VCPO on the fast norm path (the torch learner's, megatron's at tensor parallel
     size 1); elsewhere the learner keeps the separate forward."""
@@ -793,7 +793,7 @@ class WarmStartConfig(StrictModel):
     0: every demonstration checks one equation."""
     autocast: Literal["none", "bfloat16", "auto"] = "none"
     """Mixed precision of the SFT over fp32 weights, as learner.autocast ('none' here, the default run
-    sets 'auto': bf16 where the hardware does it, 1.5× faster; docs/results.md compares the two)."""
+    sets 'auto': bf16 where the hardware does it, 1.5× faster; docs/performance.md compares the two)."""
 
 
 class TrainerConfig(StrictModel):

@@ -78,14 +78,14 @@ class VLLMEngineSettings(StrictFrozenModel):
     block_size: int | None = Field(None, gt=0)
     """Tokens per KV-cache block, the granularity of prefix caching (a turn's history is reused up to its
     last full block). None: 32 on CPUs (vLLM-CPU's own default, 128, recomputed up to 127 tokens of every
-    multi-turn request; measured in docs/results.md), vLLM's default elsewhere. vLLM-CPU wants
+    multi-turn request; measured in docs/performance.md), vLLM's default elsewhere. vLLM-CPU wants
     a multiple of 32."""
     cpu_kv_cache_space_gib: int = Field(2, gt=0)
     """CPU only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE). Unset, vLLM asks for 92% of RAM."""
     cpu_threads: int | None = Field(None, gt=0)
     """CPU only: torch threads the engine compiles, warms up and serves with; None = this process's torch
     thread count (all cores unless OMP_NUM_THREADS says otherwise). Left to itself vLLM 0.32 compiles on
-    one thread; an A/B on 2 cores found no speed difference (docs/results.md), so this is a knob for
+    one thread; an A/B on 2 cores found no speed difference (docs/performance.md), so this is a knob for
     sharing cores (e.g. 1 for the engine beside the learner in local mode), not a speed-up."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """GPU only: fraction of GPU memory vLLM may take (leave room for a co-located learner)."""

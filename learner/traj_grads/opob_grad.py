@@ -87,7 +87,7 @@ that materialising a per-trajectory weight gradient costs; decides Gram vs dense
 Keyed by (device type, autocast dtype; None: the weights' dtype). CPU fp32: ~0.5 ns/element at
 ~130 GFLOP/s (measured, 2 cores). CPU bf16: the Gram products run at the bf16 GEMM's speed (~6×
 fp32's with AMX) while the memory passes do not get faster; 1024 was the best of 64–∞ at the
-default run's shape (docs/results.md). GPU: HBM bandwidth vs tensor cores."""
+default run's shape (docs/performance.md). GPU: HBM bandwidth vs tensor cores."""
 
 
 def default_dense_cost_flops(device: torch.device, autocast_dtype: torch.dtype | None) -> float:

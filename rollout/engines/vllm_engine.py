@@ -223,7 +223,7 @@ def _serving_threads(threads: int, keep_during_build: bool = True) -> Iterator[N
     replaces `torch.set_num_threads` with a no-op. So OMP_NUM_THREADS is set for the build (vLLM reads
     it there; libgomp read it at process start, so nothing else changes) and put back after, as are
     `torch.set_num_threads` and the count. On 2 cores an A/B against "built on one thread, count
-    restored after" found no speed difference (docs/results.md); what this gives is a thread count the
+    restored after" found no speed difference (docs/performance.md); what this gives is a thread count the
     caller chooses (`VLLMEngineSettings.cpu_threads`) from compilation on. `keep_during_build=False`
     (GPUs) leaves the build to vLLM and only restores the count and `torch.set_num_threads` after."""
     import torch
