@@ -236,7 +236,7 @@ async def run_episode(
     """Run one episode from `prompt_ids` (chat template applied, with `prompt_tools`'s `tools=` for
     function calling) to a final answer, EOS or a budget."""
     started = time.perf_counter()
-    builder = TrajectoryBuilder(prompt_ids)
+    builder = TrajectoryBuilder(prompt_ids, version_at_start=engine.version)
     records: list[TurnRecord] = []
     model_texts: list[str] = []
     counts = _Counts()

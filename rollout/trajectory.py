@@ -168,7 +168,11 @@ class TrajectoryBuilder:
     """Assembles a Trajectory turn by turn: context tokens (prompt, tool output) are not sampled;
     each GenerationResult appends its tokens with their logprobs and versions."""
 
-    def __init__(self, prompt_token_ids: Sequence[int]) -> None:
+    def __init__(self, prompt_token_ids: Sequence[int], version_at_start: int = 0) -> None:
+        """`version_at_start`: the engine's policy version when the episode began — its `versions.start`
+        should it never generate (a prompt that fills the token budget), so its lag is measured from when
+        it ran, not from version 0."""
+        self.version_at_start = version_at_start
         self.token_ids: list[int] = []
         self._loss_mask: list[bool] = []
         self._logprobs: list[float] = []
@@ -217,7 +221,7 @@ class TrajectoryBuilder:
         timings: TrajectoryTimings | None = None,
     ) -> Trajectory:
         """Freeze. `task.turns`/`finish_reason` and `timings.generate_s` default to what was added."""
-        start = self._version_start or 0
+        start = self.version_at_start if self._version_start is None else self._version_start
         sampled = [v for v in self._versions if v != NOT_SAMPLED_VERSION]
         task = task or TaskInfo(turns=self._turns, finish_reason=self._finish_reason)
         return Trajectory(

@@ -3,9 +3,14 @@
 Reads `run_dir/trajectories.jsonl` (one line per trained episode, with its `step` and `reward`) and
 reports, per block of `block` steps, the mean reward and the share of *successful* episodes (reward ≥
 `success`, e.g. 1.0 for Countdown, where a boxed but wrong equation scores the 0.1 format reward); then
-the least-squares slope of the per-episode success indicator against the step, scaled to the change
-of the success rate over 100 steps (0.09 = +9 points), with a percentile bootstrap interval that
-resamples whole steps (the episodes of one step share a policy and prompts: not independent draws).
+what the steps run support, each with a percentile bootstrap interval that resamples whole steps (the
+episodes of one step share a policy and prompts: not independent draws):
+
+* the change of the success rate from the first third of the steps to the last third — a difference of
+  two rates, so it stays within ±100 points whatever the run's length;
+* from `TREND_MIN_STEPS` steps on, the least-squares slope of the per-episode success indicator against
+  the step, shown per 100 steps only where the run spans 100 steps (0.09 = +9 points): a slope over ten
+  steps extrapolated to a hundred reads as a rise of hundreds of points, which no success rate can make.
 
 With several run directories (seeds of one configuration), `pooled_trend` adds the mean of the runs'
 slopes, each run weighing the same, with a stratified bootstrap: every resample draws each run's steps
@@ -30,6 +35,10 @@ import numpy as np
 from run.observability import metric_names as names
 
 TRAJECTORIES_FILE = "trajectories.jsonl"
+
+TREND_MIN_STEPS = 20
+"""Steps before the live line shows a trend at all: a slope over fewer steps, extrapolated to 100, reads as
+a rise of hundreds of points (`vcpo trend` reports a shorter run's thirds instead)."""
 
 
 class TrendError(ValueError):
@@ -121,6 +130,17 @@ def success_trend(steps: dict[int, list[float]], *, success: float = 1.0, resamp
     return 100.0 * point, low, high
 
 
+def _thirds(order: list[int]) -> tuple[list[int], list[int]]:
+    """The first and the last third of the steps run (each at least one step)."""
+    size = max(1, len(order) // 3)
+    return order[:size], order[-size:]
+
+
+def _rate(hits: dict[int, list[float]], sample: list[int]) -> float:
+    values = [h for step in sample for h in hits[step]]
+    return sum(values) / len(values)
+
+
 def reward_trend(run_dir: Path, *, block: int = 10, success: float = 1.0, resamples: int = 2000,
                  seed: int = 0) -> dict[str, Any]:
     """The block table and the success-rate trend of `run_dir` (see the module docstring), JSON-able."""
@@ -138,10 +158,18 @@ def reward_trend(run_dir: Path, *, block: int = 10, success: float = 1.0, resamp
                        "success_rate": round(wins / len(rewards), 4)})
     rng = random.Random(seed)
     boots = [_change_per_100_steps(hits, [rng.choice(order) for _ in order]) for _ in range(resamples)]
+    first, last = _thirds(order)
+    third_boots = [_rate(hits, [rng.choice(last) for _ in last])
+                   - _rate(hits, [rng.choice(first) for _ in first]) for _ in range(resamples)]
     return {
         "run_dir": str(run_dir), "steps": len(order), "episodes": sum(len(v) for v in steps.values()),
         "success_threshold": success, "block": block, "blocks": blocks,
         "first_block": blocks[0], "last_block": blocks[-1],
+        "first_third_steps": [first[0], first[-1]], "last_third_steps": [last[0], last[-1]],
+        "success_change_first_to_last_third": round(_rate(hits, last) - _rate(hits, first), 4),
+        "ci95_change_first_to_last_third": _interval(third_boots),
+        "span_steps": order[-1] - order[0],
+        "too_short_for_trend": len(order) < TREND_MIN_STEPS,
         "success_rate_change_per_100_steps": round(_change_per_100_steps(hits, order), 4),
         "ci95_change_per_100_steps": _interval(boots), "bootstrap_resamples": resamples,
     }
@@ -188,9 +216,23 @@ def _one_run(result: dict[str, Any]) -> list[str]:
         first, last = block["steps"]
         lines.append(f"  {first:>4}–{last:<4}  {block['episodes']:>8}  {block['reward_mean']:>6.3f}  "
                      f"{block['successes']:>4} ({100 * block['success_rate']:>5.1f}%)")
+    (a, b), (c, d) = result["first_third_steps"], result["last_third_steps"]
+    low, high = result["ci95_change_first_to_last_third"]
+    change = _points(result["success_change_first_to_last_third"])
+    lines.append(f"  success, steps {a}–{b} → {c}–{d}: {change} points "
+                 f"(95% interval {_points(low)} to {_points(high)})")
     low, high = result["ci95_change_per_100_steps"]
-    lines.append(f"  trend: {_points(result['success_rate_change_per_100_steps'])} points of success per 100 "
-                 f"steps (95% interval {_points(low)} to {_points(high)})")
+    if result["too_short_for_trend"]:
+        lines.append(f"  trend: {result['steps']} steps are too few for one (it needs {TREND_MIN_STEPS}); "
+                     "the thirds above are what the run shows")
+    elif result["span_steps"] < 100:
+        per_step = result["success_rate_change_per_100_steps"] / 100
+        lines.append(f"  trend: {_points(per_step)} points of success per step over the "
+                     f"{result['span_steps']} steps run (95% interval {_points(low / 100)} to "
+                     f"{_points(high / 100)}); not extrapolated to 100 steps the run did not take")
+    else:
+        lines.append(f"  trend: {_points(result['success_rate_change_per_100_steps'])} points of success per "
+                     f"100 steps (95% interval {_points(low)} to {_points(high)})")
     return lines
 
 
@@ -209,9 +251,6 @@ def format_trend(result: dict[str, Any]) -> str:
 
 TREND_EVERY = 5
 """Steps between two updates of the live line's success trend (a bootstrap: a few tenths of a second)."""
-TREND_MIN_STEPS = 20
-"""Steps before the live line shows a trend at all: a slope over fewer steps, extrapolated to 100, reads as
-a rise of hundreds of points (a shorter run's closing summary compares its two halves instead)."""
 WARN_EVERY = 20
 """Fewest steps between two "success is falling" warnings."""
 

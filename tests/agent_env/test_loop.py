@@ -206,3 +206,17 @@ async def test_only_a_stop_string_at_a_bare_fence_continues_the_turn() -> None:
             assert (task.turns, task.tool_calls, episode.trajectory.reward) == (2, 1, 1.0)
         else:  # the EOS ended a turn with neither a block nor an answer
             assert (task.turns, task.tool_calls, task.void_turns) == (1, 0, 1)
+
+
+async def test_an_episode_that_never_generates_lags_from_the_version_it_ran_under() -> None:
+    """A prompt that fills the token budget: no generate call, so versions.start is the engine's version when
+    the episode began, not 0 (which would count it as lagging by every version the learner has made)."""
+    tokenizer, engine = _scripted(["never asked"])
+    prompt = _prompt_ids(tokenizer)
+    await engine.load_weights([], version=7)
+    settings = EpisodeSettings(max_turns=3, max_total_tokens=len(prompt), temperature=0.0)
+    episode = await run_episode(engine, tokenizer, prompt, settings, _boxed_42, tool=None,
+                                trajectory_id="e1", group_id="g0")
+    versions = episode.trajectory.versions
+    assert (versions.start, versions.end) == (7, 7) and not any(episode.trajectory.loss_mask)
+    assert episode.trajectory.task.is_truncated

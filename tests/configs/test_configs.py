@@ -19,7 +19,21 @@ from vcpo.registry import OBJECTIVES
 
 @pytest.mark.parametrize("path", shipped_config_files(), ids=lambda p: p.name)
 def test_every_shipped_yaml_validates(path: Path) -> None:
-    validate_shipped_file(path)
+    validated = validate_shipped_file(path)
+    assert isinstance(validated, BaseModel | dict), f"{path}: validated to {type(validated).__name__}"
+    # the file's own keys are what its schema read: a typo'd key would have been refused, and no key is lost
+    raw = yaml.safe_load(path.read_text()) or {}
+    dumped = validated.model_dump() if isinstance(validated, BaseModel) else validated
+    missing = {key for key in raw if key not in ("extends", "task_overrides") and key not in dumped}
+    assert not missing, f"{path}: keys the validated config does not hold: {sorted(missing)}"
+
+
+def test_a_broken_shipped_yaml_is_refused_naming_the_field(tmp_path: Path) -> None:
+    broken = tmp_path / "default.yaml"
+    text = (CONFIG_ROOT / "default.yaml").read_text()
+    broken.write_text(text.replace("trainer:", "trainer:\n  total_stepz: 3", 1))
+    with pytest.raises(ConfigError, match="total_stepz"):
+        load_config(broken, RunConfig)
 
 
 def test_there_are_shipped_configs() -> None:
@@ -259,8 +273,17 @@ def test_corrections_that_cannot_run_are_refused_naming_the_stage_and_the_fix(
 def test_rejections_stack_under_every_objective_and_k3_reductions_are_distinct_stages() -> None:
     rejections = [{"type": "token_reject"}, {"type": "seq_reject"}, {"type": "geo_reject"},
                   {"type": "k3_reject"}, {"type": "k3_reject", "reduce": "max"}, {"type": "opsm"}]
+    from learner.backends.algorithm_from_config import build_corrections
+
     for kind in sorted(OBJECTIVES):
-        AlgoConfig.model_validate({"objective": {"type": kind}, "corrections": rejections})
+        algo = AlgoConfig.model_validate({"objective": {"type": kind}, "corrections": rejections})
+        stages = build_corrections(algo)
+        assert [stage.label for stage in stages] == ["token_reject", "seq_reject", "geo_reject", "k3_reject",
+                                                     "k3_reject_max", "opsm"], kind
+        assert [stage.reduce for stage in stages[3:5]] == ["mean", "max"]
+    with pytest.raises(ValueError, match="k3_reject"):  # the same reduction twice is one stage listed twice
+        AlgoConfig.model_validate({"objective": {"type": "grpo"},
+                                   "corrections": [{"type": "k3_reject"}, {"type": "k3_reject"}]})
 
 
 def test_corrections_with_a_reused_proximal_pass_are_refused() -> None:

@@ -12,6 +12,7 @@ from run.observability import metric_names as names
 from run.observability.trend import (
     LearningSignal,
     TrendError,
+    format_trend,
     pooled_trend,
     read_step_rewards,
     reward_trend,
@@ -68,7 +69,8 @@ def test_cli_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["trend", str(run), "--block", "2", "--resamples", "50"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[2].split() == ["1–2", "16", f"{result['blocks'][0]['reward_mean']:.3f}", "1", "(", "6.2%)"]
-    assert table[-1].startswith("  trend: ") and "points of success per 100 steps (95% interval" in table[-1]
+    assert table[-2].startswith("  success, steps 1–1 → 4–4: ") and table[-1].startswith("  trend: ")
+    assert "too few for one" in table[-1]  # 4 steps: no slope, let alone one per 100 steps
     assert main(["trend", str(tmp_path / "nowhere")]) == 2
 
 
@@ -144,3 +146,27 @@ def test_success_trend_is_reward_trends_estimate(tmp_path: Path) -> None:
     assert low < change < high
     # the same resampling scheme: the intervals agree to within bootstrap noise
     assert [low, high] == pytest.approx(from_file["ci95_change_per_100_steps"], rel=0.15)
+
+
+def test_a_ten_step_run_reports_a_bounded_change_and_says_it_is_too_short_for_a_trend(tmp_path: Path) -> None:
+    """A 10-step run rising from 0 to 9 of 8…: the slope per 100 steps would read +1,125 points; the report
+    gives the change between the first and last thirds (a difference of rates, within ±100 points) and says
+    the run is too short for a trend."""
+    run = _write_run(tmp_path / "run", [0, 0, 1, 2, 3, 4, 5, 6, 8, 8])
+    result = reward_trend(run, resamples=300)
+    assert result["too_short_for_trend"] and result["span_steps"] == 9
+    assert result["first_third_steps"] == [1, 3] and result["last_third_steps"] == [8, 10]
+    assert result["success_change_first_to_last_third"] == pytest.approx((22 - 1) / 24, abs=1e-4)
+    low, high = result["ci95_change_first_to_last_third"]
+    assert -1.0 <= low <= result["success_change_first_to_last_third"] <= high <= 1.0
+    text = format_trend(result)
+    assert "too few for one" in text and "per 100 steps" not in text
+    assert "+87.5 points" in text  # (22 − 1)/24 of the episodes
+
+
+def test_a_run_shorter_than_100_steps_gives_its_trend_per_step_not_per_100(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "run", [i // 8 for i in range(40)])  # 0 → 4 of 8 over 40 steps
+    text = format_trend(reward_trend(run, resamples=200))
+    assert "per step over the 39 steps run" in text and "not extrapolated" in text
+    long_run = _write_run(tmp_path / "long", [i // 30 for i in range(120)])
+    assert "per 100 steps (95% interval" in format_trend(reward_trend(long_run, resamples=200))
