@@ -40,6 +40,8 @@ OPOB_OMEGA_MAX_SHARE = "opob/omega_max_share"
 IS_LOG_W_REWARD_CORR = "is/log_w_reward_corr"
 REWARD_MEAN = "reward/mean"
 REWARD_STD = "reward/std"
+REWARD_MIN = "reward/min"
+REWARD_MAX = "reward/max"
 TOKENS_TRAINED = "tokens/trained"
 
 STALENESS_HIST_BINS = 9
@@ -137,11 +139,16 @@ def token_fraction(selected: Tensor, loss_mask: Tensor) -> Tensor:
 
 
 def reward_metrics(rewards: Tensor, valid: Tensor) -> dict[str, Tensor]:
-    """reward/{mean, std} (population std) over valid trajectories. rewards: (B,); valid: (B,) bool."""
+    """reward/{mean, std (population), min, max} over valid trajectories. rewards: (B,); valid: (B,) bool."""
     rewards = rewards.float()
     mean = _masked_mean(rewards, valid)
     centred = torch.where(valid, rewards - mean, torch.zeros_like(rewards))
-    return {REWARD_MEAN: mean, REWARD_STD: _masked_mean(centred * centred, valid).sqrt()}
+    if bool(valid.any()):
+        low, high = rewards[valid].min(), rewards[valid].max()
+    else:
+        low = high = torch.tensor(float("nan"), device=rewards.device)
+    return {REWARD_MEAN: mean, REWARD_STD: _masked_mean(centred * centred, valid).sqrt(), REWARD_MIN: low,
+            REWARD_MAX: high}
 
 
 def opob_metrics(baseline_per_group: Tensor, group_mean_reward: Tensor, present: Tensor) -> dict[str, Tensor]:

@@ -39,7 +39,9 @@ from vcpo.metrics import (
     OPOB_GAP_TO_GROUP_MEAN,
     PG_CLIP_FRAC,
     PG_MASKED_FRAC,
+    REWARD_MAX,
     REWARD_MEAN,
+    REWARD_MIN,
     REWARD_STD,
     STALENESS_HIST,
     STALENESS_HIST_BINS,
@@ -145,6 +147,8 @@ ROLLOUT_REGENERATED_GROUPS = "rollout/regenerated_groups"
 # --- Loss. -------------------------------------------------------------------------------------
 TRAIN_LOSS = "train/loss"
 """The policy loss that was back-propagated (after aggregation)."""
+TRAIN_TRAJECTORIES = "train/trajectories"
+"""Trajectories in the step's minibatch."""
 TRAIN_ENTROPY = "train/entropy"
 """Mean token entropy of the policy on trained tokens (optional: costs a full-vocab pass)."""
 
@@ -196,6 +200,8 @@ REQUIRED_EVERY_STEP = (
     PG_CLIP_FRAC,
     PG_MASKED_FRAC,
     REWARD_MEAN,
+    REWARD_MAX,
+    REWARD_MIN,
     REWARD_STD,
     TOKENS_GENERATED,
     TOKENS_TRAINED,
@@ -310,7 +316,9 @@ __all__ = [
     "PG_MASKED_FRAC",
     "POLICY_VERSION",
     "REQUIRED_EVERY_STEP",
+    "REWARD_MAX",
     "REWARD_MEAN",
+    "REWARD_MIN",
     "REWARD_STD",
     "ROLLOUT_FAILED_GROUPS",
     "ROLLOUT_FILTERED_FRAC",
@@ -353,6 +361,7 @@ __all__ = [
     "TRAINER_STEP",
     "TRAIN_ENTROPY",
     "TRAIN_LOSS",
+    "TRAIN_TRAJECTORIES",
     "TREND_SUCCESS",
     "TREND_SUCCESS_HIGH",
     "TREND_SUCCESS_LOW",

@@ -1,11 +1,11 @@
 """`vcpo plot`: one PNG dashboard of a run from its metrics.jsonl.
 
-A 3×3 grid against trainer_step: reward (± std, moving average); ESS ratio with the lr scale it
-drives; the staleness histogram summed over all steps and the lag over steps (with the bound in force
-and, under `rollout.max_lag: auto`, its moves); pre-clip gradient
-norm; KL(μ‖π_old) (is/kl_k3); tool use per trajectory; where each learner step's time went; and
-throughput. A panel whose metrics the run did not log says "not logged" instead of failing, so
-the same dashboard serves every algorithm and partial runs (it reads safely while a run writes).
+A 3×3 grid against trainer_step: reward (each step's mean with its 95% interval, moving average); ESS
+ratio with the lr scale it drives; the staleness histogram summed over all steps and the lag over steps
+(with the bound in force and, under `rollout.max_lag: auto`, its moves); pre-clip gradient norm;
+KL(μ‖π_old) (is/kl_k3); tool use per trajectory; where each learner step's time went; and throughput. A
+panel whose metrics the run did not log says "not logged" instead of failing, so the same dashboard serves
+every algorithm and partial runs (it reads safely while a run writes).
 
 Uses matplotlib's Agg canvas through `Figure` (no pyplot, no display, no global backend switch).
 It does not compare runs.
@@ -33,7 +33,9 @@ from run.observability.metric_names import (
     LR_SCALE,
     PERF_TOKENS_PER_S,
     POLICY_VERSION,
+    REWARD_MAX,
     REWARD_MEAN,
+    REWARD_MIN,
     REWARD_STD,
     ROLLOUT_LAG_LOWERS,
     ROLLOUT_LAG_MOVE,
@@ -50,6 +52,7 @@ from run.observability.metric_names import (
     TIME_STEP,
     TIME_TRAIN,
     TIME_WEIGHT_SYNC,
+    TRAIN_TRAJECTORIES,
     TRAINER_STEP,
     WALL_S,
     staleness_bin_label,
@@ -181,6 +184,19 @@ def _lines(axes: Axes, run: _Run, keys: Sequence[str], title: str, **style: Any)
 # Panels: each takes its axes and the run, and copes with its metrics being absent.
 
 
+def _mean_interval(run: _Run, mean: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each step's 95% interval of its mean reward (mean ± 1.96 · std/√(n − 1), n its trajectories),
+    inside the step's own reward range: ± one std runs below 0 and above 1 for a 0/1 reward."""
+    if not run.has(REWARD_STD, TRAIN_TRAJECTORIES):
+        return None
+    count = np.maximum(run.column(TRAIN_TRAJECTORIES) - 1.0, 1.0)
+    half = 1.96 * run.column(REWARD_STD) / np.sqrt(count)
+    low, high = mean - half, mean + half
+    if run.has(REWARD_MIN, REWARD_MAX):
+        low, high = np.maximum(low, run.column(REWARD_MIN)), np.minimum(high, run.column(REWARD_MAX))
+    return low, high
+
+
 def _reward(axes: Axes, run: _Run) -> None:
     title = "reward"
     if not run.has(REWARD_MEAN):
@@ -190,10 +206,9 @@ def _reward(axes: Axes, run: _Run) -> None:
     window = max(1, min(50, len(mean) // 10))  # no moving average under 20 steps: draw the raw line bold
     axes.plot(run.steps, mean, color="tab:blue", alpha=0.45 if window > 1 else 1.0,
               linewidth=1 if window > 1 else 2, marker=run.marker, label=REWARD_MEAN)
-    if run.has(REWARD_STD):
-        std = run.column(REWARD_STD)
-        axes.fill_between(run.steps, mean - std, mean + std, color="tab:blue", alpha=0.12,
-                          label=f"± {REWARD_STD}")
+    band = _mean_interval(run, mean)
+    if band is not None:
+        axes.fill_between(run.steps, *band, color="tab:blue", alpha=0.12, label="95% interval of the mean")
     if window > 1:
         axes.plot(run.steps, _moving_average(mean, window), color="tab:blue", linewidth=2.2,
                   label=f"moving average ({window} steps)")

@@ -254,3 +254,21 @@ def test_the_step_line_carries_the_success_trend_once_there_is_one() -> None:
                                      names.TREND_SUCCESS_HIGH: 0.094})
     assert "| success +4.2/100 steps (-1.0 to +9.4)" in line
     assert "success" not in format_progress(3, 100, {})
+
+
+def test_the_reward_band_is_the_interval_of_each_steps_mean_inside_its_reward_range() -> None:
+    """A 0/1 reward with mean 0.5 and std 0.5 over 16 trajectories: ± one std would span −0 to 1 and beyond
+    at other means; the band is mean ± 1.96 · 0.5/√15 and never leaves [reward/min, reward/max]."""
+    from run.observability.plot import _mean_interval, _Run
+
+    records = [{"trainer_step": step, "policy_version": step, "wall_s": float(step),
+                names.REWARD_MEAN: mean, names.REWARD_STD: std, names.REWARD_MIN: 0.0, names.REWARD_MAX: 1.0,
+                names.TRAIN_TRAJECTORIES: 16}
+               for step, (mean, std) in enumerate([(0.5, 0.5), (0.0625, 0.242), (1.0, 0.0)], start=1)]
+    run = _Run(records)
+    low, high = _mean_interval(run, run.column(names.REWARD_MEAN))
+    half = 1.96 * 0.5 / math.sqrt(15)
+    assert low[0] == pytest.approx(0.5 - half) and high[0] == pytest.approx(0.5 + half)
+    assert low[1] == 0.0 and 0.0625 < high[1] < 0.2  # held inside [0, 1] where mean − 1.96 s.e. < 0
+    assert low[2] == high[2] == 1.0  # every episode solved: no spread
+    assert (low >= 0).all() and (high <= 1).all()
