@@ -179,12 +179,23 @@ def result_from_records(version: int, records: Sequence[dict[str, Any]], samples
     """A `HeldoutResult` from an evaluation file's finished records (every (prompt, j < k) present)."""
     wanted = {s.sample_id for s in samples}
     per_prompt: dict[str, list[float]] = {}
+    seen: set[tuple[str, int]] = set()
+    repeated = 0
     for record in records:
-        if record["sample_id"] in wanted and record["index"] < k:
-            per_prompt.setdefault(record["sample_id"], []).append(float(bool(record["is_correct"])))
-    missing = len(wanted) * k - sum(len(v) for v in per_prompt.values())
-    if missing:
-        raise ValueError(f"the evaluation of version {version} is missing {missing} samples")
+        key = (record["sample_id"], int(record["index"]))
+        if key[0] in wanted and key[1] < k:
+            if key in seen:
+                repeated += 1
+                continue
+            seen.add(key)
+            per_prompt.setdefault(key[0], []).append(float(bool(record["is_correct"])))
+    expected = len(wanted) * k
+    if repeated or len(seen) != expected:
+        found = f"{len(seen)} of its {expected} samples ({len(wanted)} prompts × k = {k})"
+        twice = (f" and {repeated} records of samples it already held (two processes evaluated into one "
+                 "file)") if repeated else ""
+        raise ValueError(f"the evaluation of version {version} holds {found}{twice}; delete its file to "
+                         "evaluate that version again")
     means = {sample_id: statistics.fmean(values) for sample_id, values in per_prompt.items()}
     if k == 1:
         successes = int(sum(means.values()))

@@ -311,6 +311,7 @@ def _train(args: argparse.Namespace) -> int:
     from configs.loader import load_config, write_resolved_config
     from configs.schema import RunConfig
     from run.launch.allocator import active_allocator
+    from run.launch.run_dir_lock import RunDirBusy, run_dir_lock
     from run.launch.training import run_training
     from run.observability.console import divert_library_output
     from run.train.wiring import engine_settings, load_task
@@ -319,12 +320,17 @@ def _train(args: argparse.Namespace) -> int:
     task, task_path = load_task(config.task, config.task_overrides, relative_to=args.config.parent)
     settings = engine_settings(config.engine, str(args.config))
     run_dir = Path(config.run_dir)
-    write_resolved_config(config, run_dir)
-    write_resolved_config(task, run_dir, name="task.yaml")
     cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else _cache_dir()
     library_log = None if args.verbose else run_dir / "logs" / "libraries.log"
     try:
         with contextlib.ExitStack() as stack:
+            try:  # before anything is written: a second process on this run_dir is refused untouched
+                stack.enter_context(run_dir_lock(run_dir))
+            except RunDirBusy as exc:
+                print(f"vcpo train: {exc}", file=sys.stderr)
+                return 2
+            write_resolved_config(config, run_dir)
+            write_resolved_config(task, run_dir, name="task.yaml")
             if library_log is not None:  # engine and library output to a file; -v keeps it on the terminal
                 console = stack.enter_context(divert_library_output(library_log))
                 print(f"vcpo train: engine and library output → {library_log} (-v shows it here); "

@@ -140,3 +140,19 @@ async def test_evaluator_with_k_samples_uses_a_t_interval_over_prompts(tmp_path:
     mean, low, high = mean_t_interval([1.0, 0.0, 1.0, 0.0])
     assert (result.success, result.low, result.high) == pytest.approx((mean, max(0.0, low), min(1.0, high)))
     assert math.isclose(result.success, 0.5)
+
+
+def test_an_evaluation_file_written_twice_says_what_it_holds() -> None:
+    """Records of one version from two processes: the error counts the samples it holds and the repeats
+    (it once read 'missing -44 samples')."""
+    from agent_env.heldout import result_from_records
+
+    samples = [Sample(sample_id=f"p{i}", fields={}, answer=None) for i in range(3)]
+    once = [{"sample_id": f"p{i}", "index": 0, "is_correct": i == 0, "extracted": "1", "is_truncated": False,
+             "response_tokens": 5, "tool_calls": 0, "tool_errors": 0} for i in range(3)]
+    assert result_from_records(12, once, samples, 1, 0.0).success == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match=r"version 12 holds 3 of its 3 samples \(3 prompts × k = 1\) and 2 "
+                                         r"records of samples it already held \(two processes"):
+        result_from_records(12, once + once[:2], samples, 1, 0.0)
+    with pytest.raises(ValueError, match=r"version 12 holds 2 of its 3 samples.*delete its file"):
+        result_from_records(12, once[:2], samples, 1, 0.0)
