@@ -3,9 +3,11 @@ side (`run.train.trainer.train`), with the held-out evaluation of the live engin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from agent_env.heldout import HeldoutEvaluator, select_heldout
 from agent_env.runtime import TaskRuntime, episode_settings
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
+from run.observability.live_activity import heartbeat
 from run.train.learner_setup import build_learner
 from run.train.trainer import TrainSummary, train
 from run.train.wiring import task_runtime
@@ -23,17 +26,21 @@ log = logging.getLogger(__name__)
 
 async def run_local(
     config: RunConfig, task: TaskConfig, task_path: Path, settings: Any, cache_dir: Path, run_dir: Path, *,
-    progress: bool = True, stop_after_step: int | None = None,
+    progress: bool = True, stop_after_step: int | None = None, report: Callable[[str], None] = log.info,
 ) -> TrainSummary:
-    """Train `config` on `task` in this process (`launcher: local`); resumes when run_dir has a checkpoint."""
+    """Train `config` on `task` in this process (`launcher: local`); resumes when run_dir has a checkpoint.
+    `report`: where the start-up's heartbeat lines go (the engine may compile for minutes)."""
     from rollout.models import load_tokenizer, resolve_model
 
     started = time.perf_counter()
-    resolved = resolve_model(config.model.path, cache_dir)
-    tokenizer = load_tokenizer(config.model.path, cache_dir)
-    learner = build_learner(config, task, cache_dir)
-    async with task_runtime(task, task_path, model_dir=resolved.name_or_path, tokenizer=tokenizer,
-                            settings=settings, which="train") as runtime:
+    async with contextlib.AsyncExitStack() as stack:
+        with heartbeat(report, "starting the rollout engine, the learner and the tool sandbox"):
+            resolved = resolve_model(config.model.path, cache_dir)
+            tokenizer = load_tokenizer(config.model.path, cache_dir)
+            learner = build_learner(config, task, cache_dir)
+            runtime = await stack.enter_async_context(task_runtime(
+                task, task_path, model_dir=resolved.name_or_path, tokenizer=tokenizer, settings=settings,
+                which="train"))
         heldout = None
         if config.trainer.eval_every:
             heldout = heldout_evaluator(config, runtime, task_path, run_dir)

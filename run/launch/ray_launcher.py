@@ -42,7 +42,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,7 @@ from run.launch.ray_actors import (
     node_ip,
     ray_module,
 )
+from run.observability.live_activity import heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -566,7 +567,8 @@ async def _start_actors(ray: Any, config: RunConfig, task: TaskConfig, task_path
 
 async def run_training_ray(config: RunConfig, task: TaskConfig, task_path: Path, settings: Any,
                            cache_dir: Path, run_dir: Path, *, progress: bool = True,
-                           stop_after_step: int | None = None) -> Any:
+                           stop_after_step: int | None = None,
+                           report: Callable[[str], None] = log.info) -> Any:
     """`run_training` for launcher=ray: the same `train` loop over Ray actors (see the module docstring)."""
     from rollout.models import load_tokenizer
     from run.train.trainer import train
@@ -575,7 +577,8 @@ async def run_training_ray(config: RunConfig, task: TaskConfig, task_path: Path,
     run_name = f"vcpo-{os.getpid()}-{int(time.time())}"
     tokenizer = load_tokenizer(config.model.path, cache_dir)
     with ray_session(config.ray, run_dir) as ray:
-        actors = await _start_actors(ray, config, task, task_path, settings, cache_dir, run_name)
+        with heartbeat(report, "starting the Ray actors (rollout workers, learner ranks, sandboxes)"):
+            actors = await _start_actors(ray, config, task, task_path, settings, cache_dir, run_name)
         learners = RayLearnerGroup(actors.ranks, config.ray.call_timeout_s,
                                    replicated=config.learner.backend == "torch")
         pool = RayRolloutPool(actors.workers, config.ray, task, tokenizer, learners, actors.skipped_samples)

@@ -50,12 +50,12 @@ async def run_training(
         from run.launch.ray_launcher import run_training_ray
 
         summary = await run_training_ray(config, task, task_path, settings, cache_dir, run_dir,
-                                         progress=progress, stop_after_step=stop_after_step)
+                                         progress=progress, stop_after_step=stop_after_step, report=report)
     else:
         from run.launch.local import run_local
 
         summary = await run_local(config, task, task_path, settings, cache_dir, run_dir, progress=progress,
-                                  stop_after_step=stop_after_step)
+                                  stop_after_step=stop_after_step, report=report)
     summary.phases = {**phases, **summary.phases}
     write_run_summary(run_dir, summary, time.perf_counter() - run_started)
     return summary

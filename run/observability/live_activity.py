@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from run.observability.progress import ProgressLine, format_activity
+from run.observability.progress import ProgressLine, format_activity, format_elapsed
 
 if TYPE_CHECKING:
     from agent_env.runtime import LiveCounts, RolloutRuntime
@@ -68,3 +70,29 @@ async def ticking(live: LiveActivity | None) -> Any:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
+
+
+HEARTBEAT_S = 30.0
+"""Most seconds between two of vcpo's lines in any phase (the README's promise)."""
+
+
+@contextlib.contextmanager
+def heartbeat(report: Callable[[str], None], what: str, every_s: float | None = None) -> Iterator[None]:
+    """While the block runs, `report` "  ... {what}, 0:00:30" every `every_s` — for phases with no progress of
+    their own to show, such as an engine compiling its graphs or a learner loading its model. A thread, not
+    a task: those phases block the event loop."""
+    stop = threading.Event()
+    started = time.monotonic()
+    interval = HEARTBEAT_S if every_s is None else every_s
+
+    def beat() -> None:
+        while not stop.wait(interval):
+            report(f"  ... {what}, {format_elapsed(time.monotonic() - started)}")
+
+    thread = threading.Thread(target=beat, name="vcpo-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -53,7 +53,7 @@ def _rate(tokens_per_s: Any) -> str:
     return f"{value:.0f}"
 
 
-def _duration(seconds: float) -> str:
+def format_elapsed(seconds: float) -> str:
     """312.7 → '0:05:12' (hours grow past 99 as needed)."""
     whole = int(seconds)
     return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
@@ -80,7 +80,7 @@ def format_progress(step: int, total_steps: int, metrics: Mapping[str, Any], *,
                      f"{100 * float(metrics[TREND_SUCCESS_HIGH]):+.1f})")
     elapsed = elapsed_s if elapsed_s is not None else metrics.get(WALL_S)
     if elapsed is not None:
-        parts.append(_duration(float(elapsed)))
+        parts.append(format_elapsed(float(elapsed)))
     return " | ".join(parts)
 
 
@@ -102,7 +102,7 @@ def format_activity(step: int, *, phase: str, since_s: float, episodes_done: int
             rate = f" ({_rate(tokens / since_s)} tok/s)" if since_s > 0 else ""
             parts.append(f"{_rate(tokens)} tokens sampled{rate}")
     detail = (" " + ", ".join(parts)) if parts else ""
-    return f"step {step}: {phase}{detail}, {_duration(since_s)}"
+    return f"step {step}: {phase}{detail}, {format_elapsed(since_s)}"
 
 
 class ProgressLine:

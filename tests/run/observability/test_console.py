@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 CHILD = textwrap.dedent("""
@@ -61,3 +63,39 @@ def test_a_crash_inside_prints_its_traceback_on_the_terminal(tmp_path: Path) -> 
     done, _ = _run(tmp_path, "crash")
     assert done.returncode == 1
     assert "RuntimeError: boom" in done.stderr  # restored fd 2 before the traceback was printed
+
+
+def test_the_start_up_says_it_is_alive_at_least_every_heartbeat(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """Starting the engine and the learner can take minutes (vLLM compiling its graphs): run_local reports a
+    line every HEARTBEAT_S while it does, and stops once the run's own progress takes over."""
+    import asyncio
+    import time as clock
+
+    import rollout.models
+    from configs.schema import RunConfig
+    from run.launch import local
+    from run.observability import live_activity
+    from run.train.wiring import load_task
+
+    class Stop(Exception):
+        pass
+
+    def slow_learner(*args: object) -> None:
+        clock.sleep(0.45)
+        raise Stop
+
+    monkeypatch.setattr(live_activity, "HEARTBEAT_S", 0.1)
+    monkeypatch.setattr(rollout.models, "resolve_model", lambda *args: None)
+    monkeypatch.setattr(rollout.models, "load_tokenizer", lambda *args: None)
+    monkeypatch.setattr(local, "build_learner", slow_learner)
+    lines: list[str] = []
+    task, task_path = load_task(Path(__file__).resolve().parents[3] / "configs" / "tasks" / "countdown.yaml")
+    with pytest.raises(Stop):
+        asyncio.run(local.run_local(RunConfig(), task, task_path, None, tmp_path, tmp_path,
+                                    report=lines.append))
+    count = len(lines)
+    assert count >= 3 and all(line.startswith("  ... starting the rollout engine, the learner and the tool "
+                                              "sandbox, 0:00:0") for line in lines)
+    clock.sleep(0.3)
+    assert len(lines) == count  # the heartbeat stopped with the start-up
