@@ -633,7 +633,7 @@ class TorchLearner:
             sq_norms = accumulate_opob_grad_packed(
                 self.model, live, placeholder, placeholder, baseline, autocast_dtype=self.autocast_dtype,
                 temperature=self.temperature, coefficients_from_logprobs=from_logprobs,
-                hooks_class=self.packed_hooks).sq_norms
+                hooks_class=self.packed_hooks, logits_chunk_mib=self.logits_chunk_mib).sq_norms
             full.old[:] = self._share(full.old)  # every rank: the whole minibatch's log π_old
         if self.data_parallel is None:
             return sq_norms, skipped

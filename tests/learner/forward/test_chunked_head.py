@@ -125,3 +125,36 @@ def test_the_per_trajectory_path_chunks_its_head_too(trajectories: list[Trajecto
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()),
                                    msg=name)
+
+
+@pytest.mark.parametrize("proximal", ["reuse", "separate"])
+def test_a_learner_step_with_a_chunked_head_is_the_one_pass_step(
+        proximal: str, trajectories: list[TrajectoryTokens], monkeypatch: pytest.MonkeyPatch) -> None:
+    """TorchLearner with `logits_chunk_mib`: the proximal pass and VCPO's fast gradient pass (log π_old from
+    its own forward with 'reuse') chunk the head; the weights after one step are the one-pass step's."""
+    from configs.schema import AlgoConfig, OptimConfig
+    from learner.backends.torch_learner import StepInput, TorchLearner
+    from learner.forward import logprobs as logprobs_module
+    from tests.learner.backends.test_torch_learner import _as_trajectories
+
+    chunked_calls: list[bool] = []  # grad mode of each chunked head pass
+    original = logprobs_module.chunked_target_logprobs
+
+    def spy(*args: object, **kwargs: object) -> Tensor:
+        chunked_calls.append(torch.is_grad_enabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(logprobs_module, "chunked_target_logprobs", spy)
+    algo = AlgoConfig.model_validate({"objective": {"type": "vcpo"}, "group_size": 3})
+    steps, groups = _as_trajectories(trajectories)
+    after = []
+    for chunk in (None, SMALLEST):
+        learner = TorchLearner(tiny_model("llama_tied").train(), algo, OptimConfig(lr=1e-3),
+                               micro_batch_tokens=120, proximal=proximal, logits_chunk_mib=chunk)
+        metrics = learner.step(StepInput(steps, groups, [0] * len(steps), [True] * len(steps)))
+        after.append(({n: p.detach().clone() for n, p in learner.model.named_parameters()}, metrics))
+    assert True in chunked_calls  # the gradient pass chunked its head (as the no-grad passes did)
+    (one, one_metrics), (chunked, chunked_metrics) = after
+    assert chunked_metrics["is/ess_ratio"] == pytest.approx(one_metrics["is/ess_ratio"], rel=1e-6)
+    for name, value in one.items():
+        torch.testing.assert_close(chunked[name], value, rtol=1e-5, atol=1e-6, msg=name)
