@@ -76,7 +76,10 @@ def write_random_checkpoint(shape: BenchShape, out_dir: Path, seed: int = 0) -> 
 
 
 def random_batch(batch: BenchBatch, vocab_size: int, seed: int = 0) -> StepInput:
-    """Random token ids and rewards; behaviour log-probs near a uniform policy's −log V (IS weights ~ 1)."""
+    """Random token ids and rewards; behaviour log-probs near a uniform policy's −log V (IS weights ~ 1).
+    Every group's rewards differ: a group whose members all scored alike adds nothing to the gradient, so
+    the learner leaves its gradient pass out and the step would time less than it claims (its last member's
+    reward is flipped where the draw made them alike)."""
     rng = random.Random(seed)
     uniform = -torch.log(torch.tensor(float(vocab_size))).item()
     trajectories, group_ids = [], []
@@ -91,6 +94,10 @@ def random_batch(batch: BenchBatch, vocab_size: int, seed: int = 0) -> StepInput
                 behavior_logprobs=tuple(uniform + rng.gauss(0, 0.01) if m else 0.0 for m in mask),
                 versions=TrajectoryVersions(start=0, end=0), reward=float(rng.random() < 0.5)))
             group_ids.append(group)
+        members = trajectories[-batch.group_size:]
+        if len({member.reward for member in members}) == 1:
+            members[-1] = members[-1].model_copy(update={"reward": 1.0 - members[-1].reward})
+            trajectories[-1] = members[-1]
     size = len(trajectories)
     return StepInput(trajectories, group_ids, [0] * size, [True] * size)
 
@@ -268,6 +275,7 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
         "shape": asdict(shape), "batch": asdict(batch), "micro_batch_tokens": micro_batch_tokens,
         "parameters_on_rank": sum(p.numel() for p in learner.model.parameters()),
         "megatron": (megatron or MegatronConfig()).model_dump() if backend == "megatron" else None,
+        "skipped_groups_per_step": float(metrics.get("train/skipped_groups", 0.0)),
         "step_s": times, "step_s_mean": mean, "step_s_min": min(times),
         "phases_s_mean": {name.removeprefix("time/learner_"): sum(v) / len(v) for name, v in phases.items()},
         "tokens_per_step": tokens, "tokens_per_s": tokens / mean, "peak_memory_mib": _peak_memory_mib(device),

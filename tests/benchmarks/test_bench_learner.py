@@ -162,6 +162,7 @@ def test_the_learner_sweep_times_every_row_with_ratios_against_grpo(tmp_path: Pa
         (n, rc, row) for n in (64, 128) for rc in (False, True)
         for row in ("grpo", "vcpo_fast", "vcpo_per_trajectory")]
     for row in rows:
+        assert row["skipped_groups_per_step"] == 0  # every group trained: the step timed is a real one
         assert row["batch"]["tokens"] == row["length"] and row["batch"]["turns"] == 4
         assert row["micro_batch_tokens"] >= row["length"] and row["peak_memory_mib"] > 0
         assert (row["objective"], row["grad_norm_path"]) == {
@@ -183,3 +184,14 @@ def test_an_isolated_sweep_row_runs_in_a_process_of_its_own(tmp_path: Path) -> N
     assert row["recompute"] is True and row["step_s_mean"] > 0
     # the child's own peak RSS: a fresh interpreter with torch, far below this test process's
     assert 0 < row["peak_memory_mib"] < 4096
+
+
+def test_every_group_of_a_random_batch_has_rewards_that_differ() -> None:
+    """A group whose members scored alike adds nothing to the gradient and the learner skips its gradient
+    pass: a bench batch of such groups would time a step that trains nothing."""
+    for tokens in range(64, 2048, 97):
+        step = random_batch(BenchBatch(groups=3, group_size=2, tokens=tokens, sampled=tokens // 2,
+                                       prompt=tokens // 10), 128, seed=tokens)
+        for group in range(3):
+            rewards = {t.reward for t in step.trajectories[2 * group: 2 * group + 2]}
+            assert len(rewards) == 2, (tokens, group)
