@@ -17,6 +17,7 @@ Deliberately not here: when to evaluate and where the figures go (the trainer), 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -131,10 +132,12 @@ class HeldoutResult:
     summary: dict[str, Any]
     """`agent_env.evaluate.summary_of` of the file (tool calls, truncation, no answer, tokens)."""
     seconds: float
+    label: str = "held-out"
+    """Which set: 'held-out', or an eval set's name (trainer.eval_sets)."""
 
     def line(self) -> str:
         """A line for a person: success with its interval."""
-        return (f"held-out success at step {self.version}: {100 * self.success:.1f}% "
+        return (f"{self.label} success at step {self.version}: {100 * self.success:.1f}% "
                 f"(95% interval {100 * self.low:.1f}–{100 * self.high:.1f}%, {len(self.per_prompt)} prompts, "
                 f"{self.seconds:.0f} s)")
 
@@ -150,7 +153,7 @@ class HeldoutChange:
     high: float
 
     def line(self) -> str:
-        return (f"held-out success {100 * self.start.success:.1f}% (step {self.start.version}) → "
+        return (f"{self.start.label} success {100 * self.start.success:.1f}% (step {self.start.version}) → "
                 f"{100 * self.end.success:.1f}% (step {self.end.version}): {100 * self.gain:+.1f} points "
                 f"(95% interval {100 * self.low:+.1f} to {100 * self.high:+.1f}, paired over prompts)")
 
@@ -171,7 +174,7 @@ def falling_warning(start: HeldoutResult | None, result: HeldoutResult) -> str |
     change = paired_change(start, result)
     if change.high >= 0:
         return None
-    return f"warning: held-out success fell significantly: {change.line()}"
+    return f"warning: {result.label} success fell significantly: {change.line()}"
 
 
 def result_from_records(version: int, records: Sequence[dict[str, Any]], samples: Sequence[Sample], k: int,
@@ -233,10 +236,12 @@ class HeldoutEvaluator:
     def __init__(self, heldout: HeldoutSet, *, engine: InferenceEngine, tokenizer: PreTrainedTokenizerBase,
                  tool: Tool | Toolbox | None, system: str | None, user: str,
                  reward: Callable[[str, Sample], Any], settings: EpisodeSettings, k: int, out_dir: Path,
-                 concurrency: int, task_name: str) -> None:
+                 concurrency: int, task_name: str, label: str = "held-out") -> None:
         self.heldout, self.engine, self.tokenizer, self.tool = heldout, engine, tokenizer, tool
         self.system, self.user, self.reward, self.settings = system, user, reward, settings
         self.k, self.out_dir, self.concurrency, self.task_name = k, out_dir, concurrency, task_name
+        self.label = label
+        """What its lines call the set ('held-out', or an eval set's name)."""
 
     def path(self, version: int) -> Path:
         return self.out_dir / f"version_{version:06d}.jsonl"
@@ -261,9 +266,10 @@ class HeldoutEvaluator:
             return None
         records = read_finished(path, self.meta(version))
         try:
-            return result_from_records(version, records, self.heldout.samples, self.k, 0.0)
+            result = result_from_records(version, records, self.heldout.samples, self.k, 0.0)
         except ValueError:
             return None
+        return dataclasses.replace(result, label=self.label)
 
     async def run(self, version: int) -> HeldoutResult:
         """Evaluate the policy the engine holds now, which must be `version` (the caller does not push
@@ -274,5 +280,6 @@ class HeldoutEvaluator:
                        out_path=self.path(version), meta=self.meta(version), concurrency=self.concurrency,
                        task_name=self.task_name)
         records = read_finished(self.path(version), self.meta(version))
-        return result_from_records(version, records, self.heldout.samples, self.k,
-                                   time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        result = result_from_records(version, records, self.heldout.samples, self.k, seconds)
+        return dataclasses.replace(result, label=self.label)

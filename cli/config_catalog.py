@@ -102,7 +102,11 @@ def check_run_config(path: Path) -> RunConfig:
     from run.train.wiring import engine_settings, resolve_task_path
 
     config = load_config(path, RunConfig)
-    check_task_config(resolve_task_path(config.task, Path(path).parent), config.task_overrides)
+    task_path = resolve_task_path(config.task, Path(path).parent)
+    check_task_config(task_path, config.task_overrides)
+    for eval_set in config.trainer.eval_sets:  # a benchmark's task file, checked as the run's own is
+        if eval_set.task is not None:
+            check_task_config(resolve_task_path(eval_set.task, task_path.parent), eval_set.task_overrides)
     engine_settings(config.engine, str(path))
     if config.launcher == "ray":
         from run.launch.ray_launcher import RayLaunchError, check_layout

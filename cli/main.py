@@ -355,6 +355,8 @@ def _train(args: argparse.Namespace) -> int:
           f"metrics: {run_dir / 'metrics.jsonl'}; dashboard: vcpo plot {run_dir}")
     if summary.heldout_change is not None:
         print(summary.heldout_change.line())
+    for change in summary.eval_set_changes.values():
+        print(change.line())
     if summary.phases:
         print("time: " + " · ".join(f"{name} {seconds:.0f} s" for name, seconds in summary.phases.items()))
     return 0

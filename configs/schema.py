@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from configs.base import StrictModel
+from configs.task_schema import DatasetConfig
 
 # ---------------------------------------------------------------------------------------------
 # Model
@@ -796,6 +797,33 @@ class WarmStartConfig(StrictModel):
     sets 'auto': bf16 where the hardware does it, 1.5× faster; docs/performance.md compares the two)."""
 
 
+class EvalSetConfig(StrictModel):
+    """A set of prompts evaluated during training beside the held-out set (`trainer.eval_sets`): a test set
+    no choice was tuned on, or a benchmark such as AIME 2025 with its own prompt, tool, reward and sampling.
+    Evaluated on the live engine as the held-out set is (run/launch/local.py), before the first step, every
+    `every` steps and after the last; its figures are the `eval/<name>/*` metrics, one resumable JSONL per
+    version under run_dir/eval/<name>/, summary.json's `eval_sets` and the dashboard."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    """What its metrics and files are called (`eval/<name>/success`); lowercase letters, digits, _."""
+    task: str | None = None
+    """A task YAML whose prompt, tool, reward, loop and `eval` section (k, temperature, turns, token budget)
+    the evaluation uses, e.g. configs/tasks/aime2025.yaml; None: the run's own task, sampled as its held-out
+    set is (the rollouts' settings, or trainer.eval_temperature)."""
+    task_overrides: list[str] = Field(default_factory=list)
+    """a.b.c=value overrides of that task file."""
+    dataset: DatasetConfig | None = None
+    """The prompts: a dataset section as in a task file (e.g. the training generator with a seed no other set
+    uses); None: the task's `eval_dataset`, else its `dataset`. Prompts that are training prompts of the run
+    are dropped, and so are the held-out set's."""
+    samples: int | None = Field(None, ge=1)
+    """The first this many prompts; None: all of them."""
+    k: int | None = Field(None, ge=1)
+    """Samples per prompt; None: the task's `eval.k` for a task of its own, else trainer.eval_k."""
+    every: int = Field(0, ge=0)
+    """Also evaluate every this many steps; 0: only before the first step and after the last."""
+
+
 class TrainerConfig(StrictModel):
     """The training loop: length, checkpoints, logging."""
 
@@ -825,6 +853,21 @@ class TrainerConfig(StrictModel):
     """Sampling temperature of the evaluation; None = the training rollouts' (task loop.temperature)."""
     eval_concurrency: int = Field(32, ge=1)
     """Held-out episodes in flight at once (beside the training rollouts)."""
+    eval_sets: list[EvalSetConfig] = Field(default_factory=list)
+    """More sets evaluated during training beside the held-out one: a test set, AIME 2025, MATH-500, ...
+    (`EvalSetConfig`); each its own `eval/<name>/*` figures."""
+
+    @model_validator(mode="after")
+    def _check_eval_sets(self) -> TrainerConfig:
+        names = [eval_set.name for eval_set in self.eval_sets]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"trainer.eval_sets: the name(s) {repeated} appear more than once; give each "
+                             "set its own name")
+        if "heldout" in names:
+            raise ValueError("trainer.eval_sets: 'heldout' names the task's held-out set "
+                             "(trainer.eval_every); call this set something else")
+        return self
 
 
 class RunConfig(StrictModel):
@@ -868,6 +911,9 @@ class RunConfig(StrictModel):
             raise ValueError(f"trainer.eval_every={self.trainer.eval_every} needs launcher='local' (the "
                              "held-out evaluation runs on the local engine); set trainer.eval_every=0 with "
                              "launcher='ray'")
+        if self.trainer.eval_sets and self.launcher != "local":
+            raise ValueError("trainer.eval_sets needs launcher='local' (its evaluations run on the local "
+                             "engine, as the held-out set's); leave it empty with launcher='ray'")
         return self
 
     @model_validator(mode="after")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent_env.heldout import HeldoutResult
+from agent_env.heldout import HeldoutChange, HeldoutResult
 from configs.loader import ConfigError
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
@@ -66,7 +66,8 @@ SUMMARY_FILE = "summary.json"
 
 def write_run_summary(run_dir: Path, summary: TrainSummary, wall_s: float) -> Path:
     """`run_dir/summary.json` (written atomically): what this process did — steps, wall seconds in all and by
-    phase, the host, every held-out evaluation with its interval and the start → end change. A resumed run
+    phase, the host, every held-out evaluation with its interval and the start → end change (and the same for
+    each of trainer.eval_sets). A resumed run
     rewrites it with its own process's figures (earlier evaluations stay in metrics.jsonl)."""
     from run.launch.host import host_description
 
@@ -74,15 +75,22 @@ def write_run_summary(run_dir: Path, summary: TrainSummary, wall_s: float) -> Pa
         return {"step": result.version, "success": result.success, "low": result.low, "high": result.high,
                 "prompts": len(result.per_prompt), "seconds": result.seconds}
 
-    change = summary.heldout_change
+    def paired(change: HeldoutChange | None) -> dict[str, Any] | None:
+        if change is None:
+            return None
+        return {"start_step": change.start.version, "end_step": change.end.version, "gain": change.gain,
+                "low": change.low, "high": change.high}
+
     record = {
         "steps_this_process": summary.steps, "wall_s": wall_s, "phases_s": summary.phases,
         "host": host_description(),
         "heldout": [evaluation(result) for result in summary.heldout],
-        "heldout_change": None if change is None else {
-            "start_step": change.start.version, "end_step": change.end.version, "gain": change.gain,
-            "low": change.low, "high": change.high},
+        "heldout_change": paired(summary.heldout_change),
     }
+    if summary.eval_sets:
+        record["eval_sets"] = {name: {"evaluations": [evaluation(result) for result in results],
+                                      "change": paired(summary.eval_set_changes.get(name))}
+                               for name, results in summary.eval_sets.items()}
     path = run_dir / SUMMARY_FILE
     atomic_write_text(path, json.dumps(record, indent=1) + "\n")
     return path

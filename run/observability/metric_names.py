@@ -169,6 +169,11 @@ EVAL_TRUNCATED_FRAC = "eval/truncated_frac"
 """Share of held-out episodes cut by the token budget."""
 EVAL_RESPONSE_TOKENS_MEAN = "eval/response_tokens_mean"
 """Sampled tokens per held-out episode."""
+def eval_set_metric(eval_set: str, metric: str) -> str:
+    """An eval set's version of an `eval/*` metric: `eval/<eval_set>/success`, ... (trainer.eval_sets)."""
+    return f"eval/{eval_set}/{metric.removeprefix('eval/')}"
+
+
 TIME_EVAL = "time/eval"
 """Seconds the held-out evaluation took (not part of time/step)."""
 
@@ -366,6 +371,7 @@ __all__ = [
     "TREND_SUCCESS_HIGH",
     "TREND_SUCCESS_LOW",
     "WALL_S",
+    "eval_set_metric",
     "stage_metric",
     "staleness_bin_bounds",
     "staleness_bin_label",

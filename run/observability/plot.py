@@ -55,6 +55,7 @@ from run.observability.metric_names import (
     TRAIN_TRAJECTORIES,
     TRAINER_STEP,
     WALL_S,
+    eval_set_metric,
     staleness_bin_label,
 )
 from run.observability.metrics_log import MetricsFileError, no_metrics_message, read_metrics
@@ -197,6 +198,17 @@ def _mean_interval(run: _Run, mean: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return low, high
 
 
+def _eval_sets(run: _Run) -> list[str]:
+    """The names of the eval sets (trainer.eval_sets) the run logged, in order of appearance."""
+    found: dict[str, None] = {}
+    for record in run.records:
+        for key in record:
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "eval" and parts[2] == "success":
+                found[parts[1]] = None
+    return list(found)
+
+
 def _reward(axes: Axes, run: _Run) -> None:
     title = "reward"
     if not run.has(REWARD_MEAN):
@@ -219,6 +231,14 @@ def _reward(axes: Axes, run: _Run) -> None:
         axes.errorbar(run.steps[at], success[at], yerr=[success[at] - low[at], high[at] - success[at]],
                       color="tab:green", marker="s", capsize=4, linewidth=1.5, label="held-out success (95%)")
         title = "reward and held-out success"
+    colors = ("tab:purple", "tab:brown", "tab:olive", "tab:cyan")
+    for color, name in zip(colors, _eval_sets(run), strict=False):
+        keys = [eval_set_metric(name, key) for key in (EVAL_SUCCESS, EVAL_SUCCESS_LOW, EVAL_SUCCESS_HIGH)]
+        success, low, high = (run.column(key) for key in keys)
+        at = np.isfinite(success)
+        axes.errorbar(run.steps[at], success[at], yerr=[success[at] - low[at], high[at] - success[at]],
+                      color=color, marker="D", capsize=4, linewidth=1.5, label=f"{name} success (95%)")
+        title = "reward and evaluated success"
     axes.set_title(title)
     _step_axis(axes)
     axes.legend(loc="best", fontsize=9)

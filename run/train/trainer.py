@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from agent_env.heldout import HeldoutChange, HeldoutEvaluator, HeldoutResult, falling_warning, paired_change
+from agent_env.heldout import HeldoutChange, HeldoutEvaluator, HeldoutResult
 from agent_env.runtime import RolloutRuntime
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig
@@ -62,6 +62,7 @@ from run.train.checkpointing import (
     rng_state,
     save_checkpoint,
 )
+from run.train.evaluations import EvalSetRun, Evaluations
 from run.train.step_resources import process_cpu_seconds, step_and_trim
 from tools.base import ToolUnavailableError
 
@@ -177,46 +178,33 @@ class TrainSummary:
     """The first evaluation (the policy RL started from) → the last, paired by prompt; None without both."""
     phases: dict[str, float] = field(default_factory=dict)
     """Wall seconds by phase ("warm start", "startup", "RL", "held-out eval"), for the closing summary."""
+    eval_sets: dict[str, list[HeldoutResult]] = field(default_factory=dict)
+    """Each eval set's evaluations of this process (trainer.eval_sets)."""
+    eval_set_changes: dict[str, HeldoutChange] = field(default_factory=dict)
+    """Each eval set's first evaluation → its last, paired by prompt (where both exist)."""
 
 
-def is_eval_version(version: int, every: int, total_steps: int) -> bool:
-    """Whether the held-out set is evaluated at `version`: 0, every `every` versions, and the last."""
-    return every > 0 and (version % every == 0 or version == total_steps)
 
 
-def heldout_metrics(result: HeldoutResult) -> dict[str, float]:
-    """The `eval/*` metrics (and `time/eval`) of one held-out evaluation."""
-    return {names.EVAL_SUCCESS: result.success, names.EVAL_SUCCESS_LOW: result.low,
-            names.EVAL_SUCCESS_HIGH: result.high, names.EVAL_PROMPTS: float(len(result.per_prompt)),
-            names.EVAL_NO_ANSWER_FRAC: float(result.summary["no_answer_frac"]),
-            names.EVAL_TOOL_CALLS_MEAN: float(result.summary["tool_calls_mean"]),
-            names.EVAL_TRUNCATED_FRAC: float(result.summary["truncated_frac"]),
-            names.EVAL_RESPONSE_TOKENS_MEAN: float(result.summary["response_tokens_mean"]),
-            names.TIME_EVAL: result.seconds}
 
 
-async def _evaluate(heldout: HeldoutEvaluator, version: int, live: LiveActivity | None,
-                    display: ProgressLine | None) -> HeldoutResult:
-    if live is not None:
-        live.begin(version, "held-out eval")
-    result = await heldout.run(version)
-    lines = [result.line()]
-    falling = falling_warning(heldout.stored(0) if version > 0 else None, result)
-    if falling is not None:
-        lines.append(falling)
-    for line in lines:
-        if display is not None:
-            display.message(line)
-        else:
-            log.info("%s", line)
-    return result
+
+
+
+
+
+
+
+
 
 
 async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, run_dir: Path, *,
                 progress: bool = True, stop_after_step: int | None = None,
-                heldout: HeldoutEvaluator | None = None) -> TrainSummary:
+                heldout: HeldoutEvaluator | None = None,
+                eval_sets: Sequence[EvalSetRun] = ()) -> TrainSummary:
     """Train `config.trainer.total_steps` steps (resuming from run_dir's newest checkpoint if any); with
-    `heldout`, evaluate the held-out prompts at the versions `is_eval_version` names."""
+    `heldout`, evaluate the held-out prompts at the versions `is_eval_version` names, and each of `eval_sets`
+    before the first step, when it is due and after the last."""
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -245,12 +233,11 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
         start_step = int(meta["step"])
         log.info("resuming from %s (step %d)", checkpoint, start_step)
         await manager.sync_weights(learner.named_weights(), start_step)
-    if heldout is not None:  # a resumed run retrains the versions after its checkpoint
-        heldout.discard_after(start_step)
+    evals = Evaluations(heldout, trainer.eval_every, eval_sets, trainer.total_steps)
+    evals.discard_after(start_step)  # a resumed run retrains the versions after its checkpoint
     rewards: list[float] = []
     signal = LearningSignal(run_dir, start_step)
     shown_trend: dict[str, float] = {}
-    evaluations: list[HeldoutResult] = []
     is_finished = False
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -273,10 +260,9 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
         if display is not None:
             live = LiveActivity(display, runtime, rollout.groups_per_step * config.algo.group_size)
         async with manager, ticking(live):
-            if heldout is not None and trainer.eval_every > 0 and metrics_log.last_step is None:
+            if evals.any and metrics_log.last_step is None:
                 # the policy RL starts from (after the warm start), logged as trainer_step 0
-                evaluations.append(await _evaluate(heldout, 0, live, display))
-                metrics_log.log(0, 0, heldout_metrics(evaluations[-1]))
+                metrics_log.log(0, 0, await evals.run(0, live, display))
             last_busy, last_wall = manager.busy_seconds(), time.perf_counter()
             last_cpu = process_cpu_seconds()
             for step in range(start_step, trainer.total_steps):
@@ -341,10 +327,9 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                     if display is not None:
                         display.message(falling)
                     log.warning("%s", falling)
-                if heldout is not None and is_eval_version(step + 1, trainer.eval_every, trainer.total_steps):
-                    evaluations.append(await _evaluate(heldout, step + 1, live, display))
-                    metrics.update(heldout_metrics(evaluations[-1]))
-                    # the evaluation's wall time is its own (time/eval), not the next step's
+                evaluated = await evals.run(step + 1, live, display)
+                if evaluated:  # the evaluations' wall time is their own (time/eval), not the next step's
+                    metrics.update(evaluated)
                     now, busy, cpu = time.perf_counter(), manager.busy_seconds(), process_cpu_seconds()
                 last_busy, last_wall, last_cpu = busy, now, cpu
                 metrics_log.log(step + 1, step + 1, metrics)
@@ -364,14 +349,10 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
     if is_finished:
         export_model(learner, runtime.tokenizer, run_dir / "export")
     steps_done = len(rewards)
-    change = None
-    if heldout is not None and evaluations:
-        first = heldout.stored(0)
-        if first is not None and evaluations[-1].version > 0:
-            change = paired_change(first, evaluations[-1])
     wall_s = time.perf_counter() - started
-    eval_s = sum(result.seconds for result in evaluations)
-    phases = {"RL": wall_s - eval_s, **({"held-out eval": eval_s} if evaluations else {})}
+    eval_s = evals.seconds()
+    phases = {"RL": wall_s - eval_s, **({"held-out eval": eval_s} if eval_s else {})}
     block = min(10, max(1, len(rewards) // 2))  # a short run compares its halves, not itself with itself
     return TrainSummary(steps_done, rewards[:block], rewards[-block:], wall_s, run_dir,
-                        heldout=evaluations, heldout_change=change, phases=phases)
+                        heldout=evals.heldout_results, heldout_change=evals.heldout_change(), phases=phases,
+                        eval_sets=evals.set_results, eval_set_changes=evals.set_changes())

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,8 +21,10 @@ from agent_env.datasets import load_samples
 from agent_env.function_calls import ParserConfigError, resolve_parser
 from agent_env.rewards import RewardConfigError, build_reward
 from agent_env.runtime import TaskRuntime
+from agent_env.samples import Sample
 from agent_env.tool_messages import ToolTemplateError, check_tools_template
 from configs.loader import ConfigError
+from configs.schema import EvalSetConfig
 from configs.task_schema import TaskConfig, load_task_config
 from rollout.settings import EngineSettings
 from tools.base import Tool, ToolConfigError, has_sessions, offers_functions
@@ -160,3 +163,42 @@ async def task_runtime(
                               skipped_samples=loaded.skipped)
     finally:
         await engine.close()
+
+
+@dataclass(frozen=True)
+class EvalSetParts:
+    """What an evaluation of one set needs besides the engine: its task (the run's or its own), prompts,
+    reward and tool (started on the caller's stack)."""
+
+    task: TaskConfig
+    task_path: Path
+    samples: list[Sample]
+    source: str
+    reward: Callable[[str, Sample], Any]
+    tool: Tool | Toolbox | None
+    own_task: bool
+
+
+async def eval_set_parts(stack: contextlib.AsyncExitStack, spec: EvalSetConfig, runtime: TaskRuntime,
+                         run_task_path: Path, tokenizer: Any) -> EvalSetParts:
+    """The parts of `trainer.eval_sets` entry `spec`: with `spec.task`, that task file (its tool started on
+    `stack`); else the run's task, reward and tool. Prompts from `spec.dataset`, else the task's eval_dataset
+    (else its dataset); a bad task file or dataset is a ConfigError naming `trainer.eval_sets`."""
+    if spec.task is not None:
+        task, task_path = load_task(spec.task, spec.task_overrides, relative_to=run_task_path.parent)
+        if task.prompt.chat_template is not None:
+            raise ConfigError(str(task_path), [f"trainer.eval_sets[{spec.name}]: prompt.chat_template — an "
+                                               "eval set shares the run's model and its chat template; "
+                                               "remove it"])
+        tool = await _enter_tools(stack, task, task_path, tokenizer)
+        reward = build_reward(task.reward, task.answer)
+    else:
+        task, task_path, tool, reward = runtime.task, run_task_path, runtime.tool, runtime.reward
+    if spec.dataset is not None:
+        task = task.model_copy(update={"eval_dataset": spec.dataset})
+    try:
+        loaded = load_samples(task, which="eval", task_dir=task_path.parent)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"trainer.eval_sets[{spec.name}]", [f"its prompts ({task.name}): {exc}"]) from None
+    return EvalSetParts(task, task_path, list(loaded.samples), loaded.source, reward, tool,
+                        own_task=spec.task is not None)

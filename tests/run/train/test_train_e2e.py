@@ -333,6 +333,69 @@ def test_held_out_prompts_are_evaluated_logged_and_resumed(tmp_path: Path, tiny_
 
 
 @needs_bwrap
+def test_eval_sets_are_evaluated_when_due_logged_summarised_and_resumed(tmp_path: Path,
+                                                                        tiny_model_dir: Path) -> None:
+    """`trainer.eval_sets` beside the held-out set: a test set from the run's task (an unused generator seed,
+    at the start and the end only) and a benchmark with a task file of its own (its prompt, no tool, its
+    `eval.k`, every step); `eval/<name>/*` metrics, files under eval/<name>/, summary.json's `eval_sets` with
+    each start → end change, the closing lines, the dashboard; a resumed run keeps version 0's files."""
+    config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=2, extra={})
+    task = yaml.safe_load((tmp_path / "task.yaml").read_text())
+    task["heldout_dataset"] = {"type": "generator", "name": "countdown", "num_samples": 16, "seed": 1}
+    (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
+    bench = {**task, "name": "tiny-bench", "tool": None, "eval": {"k": 2, "max_turns": 1, "temperature": 0.8},
+             "prompt": {"system": "Answer.", "user": "What makes {target} from {numbers}?"},
+             "eval_dataset": {"type": "generator", "name": "countdown", "num_samples": 8, "seed": 3}}
+    (tmp_path / "bench.yaml").write_text(yaml.safe_dump(bench))
+    run = yaml.safe_load(config.read_text())
+    run["trainer"].update({"eval_every": 2, "eval_samples": 4, "eval_sets": [
+        {"name": "test", "dataset": {"type": "generator", "name": "countdown", "num_samples": 16, "seed": 2},
+         "samples": 5},
+        {"name": "bench", "task": str(tmp_path / "bench.yaml"), "samples": 3, "every": 1}]})
+    config.write_text(yaml.safe_dump(run))
+    first = _vcpo("train", str(config), "--no-progress")
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    resumed = _vcpo("train", str(config), "--no-progress", "trainer.total_steps=3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = {r["trainer_step"]: r for r in read_metrics(run_dir)}
+    assert sorted(s for s, r in records.items() if "eval/test/success" in r) == [0, 2, 3]  # start and ends
+    assert sorted(s for s, r in records.items() if "eval/bench/success" in r) == [0, 1, 2, 3]  # every step
+    assert sorted(s for s, r in records.items() if "eval/success" in r) == [0, 2, 3]  # held-out, as before
+    assert records[0]["eval/test/prompts"] == 5 and records[0]["eval/bench/prompts"] == 3
+    sets_s = records[0]["eval/test/seconds"] + records[0]["eval/bench/seconds"]
+    assert 0 < sets_s < records[0]["time/eval"]  # time/eval: the held-out set's and the eval sets' seconds
+    for name, k, count in (("test", 1, 5), ("bench", 2, 3)):
+        files = sorted(p.name for p in (run_dir / "eval" / name).glob("*.jsonl"))
+        assert "version_000000.jsonl" in files
+        lines = (run_dir / "eval" / name / "version_000000.jsonl").read_text().splitlines()
+        meta = json.loads(lines[0])["meta"]
+        assert len(lines) == 1 + count * k and meta["k"] == k
+        assert meta["task"] == ("tiny-bench" if name == "bench" else "tiny-countdown")
+    def puzzles(path: Path, seed: int) -> set[str]:  # the evaluated puzzles' fields
+        from agent_env.datasets import load_samples
+        from configs.task_schema import TaskConfig
+
+        ids = set(json.loads(path.read_text().splitlines()[0])["meta"]["prompts"])
+        dataset = {**task["heldout_dataset"], "seed": seed}
+        source = TaskConfig.model_validate({**task, "heldout_dataset": dataset})
+        loaded = load_samples(source, which="heldout", task_dir=tmp_path)
+        return {json.dumps(s.fields, sort_keys=True) for s in loaded.samples if s.sample_id in ids}
+
+    held = puzzles(run_dir / "eval" / "version_000000.jsonl", 1)
+    tested = puzzles(run_dir / "eval" / "test" / "version_000000.jsonl", 2)
+    assert len(held) == 4 and len(tested) == 5 and not held & tested  # no held-out puzzle in the test set
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary["eval_sets"]) == {"test", "bench"}
+    assert [e["step"] for e in summary["eval_sets"]["test"]["evaluations"]] == [3]
+    assert summary["eval_sets"]["test"]["change"]["start_step"] == 0
+    assert summary["eval_sets"]["bench"]["change"]["end_step"] == 3
+    assert "test success" in resumed.stdout and "bench success" in resumed.stdout, resumed.stdout
+    plot = _vcpo("plot", str(run_dir))
+    assert plot.returncode == 0, plot.stderr[-3000:]
+
+
+@needs_bwrap
 def test_dynamic_sampling_trains_only_on_groups_with_signal(tmp_path: Path, tiny_model_dir: Path) -> None:
     """`rollout.dynamic_sampling`: a group whose episodes all scored alike (here every even-target prompt)
     is dropped and refilled by a fresh prompt, within the lag bound; the refills and their tokens are
