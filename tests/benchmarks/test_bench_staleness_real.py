@@ -24,6 +24,8 @@ COMMITTED = ROOT / "docs" / "results" / "staleness_real.json"
 ALL_SEEDS = ROOT / "docs" / "results" / "staleness_real_all_seeds.json"
 """The preset's matrix (seeds 0–2) and seeds 4–5: `... run=false 'seeds=[0,1,2,4,5]'`."""
 ANSWER = ROOT / "docs" / "results" / "staleness_real_answer.json"
+BY_START = {"zen4": ROOT / "docs" / "results" / "staleness_real_start_zen4.json",
+            "amx": ROOT / "docs" / "results" / "staleness_real_start_amx.json"}
 """The seeds that answer the issue — the first three with all 12 runs, all from one warm start (the rule in
 docs/log.md, fixed before seed 5 ran): `... run=false 'seeds=[2,4,5]'`."""
 
@@ -184,13 +186,16 @@ def test_the_shipped_preset_is_valid_picked_by_kind_and_sized_by_the_rule() -> N
 @pytest.mark.skipif(not COMMITTED.is_file(), reason="docs/results/staleness_real.json is written once the "
                     "real-model matrix (benchmarks/configs/staleness_real.yaml) has stored runs; none yet")
 @pytest.mark.parametrize(("summary", "seeds"), [(COMMITTED, None), (ALL_SEEDS, [0, 1, 2, 4, 5]),
-                                               (ANSWER, [2, 4, 5])])
+                                               (ANSWER, [2, 4, 5]), (BY_START["zen4"], [0, 1]),
+                                               (BY_START["amx"], [2, 4, 5, 6])])
 def test_the_committed_summary_is_what_the_committed_runs_give(tmp_path: Path, summary: Path,
                                                               seeds: list[int] | None) -> None:
     """The matrix takes ~8 h of CPU and is carried across sessions in its committed rows: the committed
     summary (finished or not — a cell without runs says "not run") is recomputed from them alone; so is the
     one over every seed run (the preset's and seeds 4–5, added on hosts whose warm start seeds 0–1 do not
-    share) and the one over the seeds that answer the question (2, 4, 5: one warm start)."""
+    share), the one over the seeds that answer the question (2, 4, 5: one warm start), and one per starting
+    policy over every seed run from it (0–1 from the Zen 4 warm start; 2, 4, 5 and the further seed 6 from the
+    AMX one)."""
     raw = yaml.safe_load(PRESET.read_text())
     bench = StalenessRealBenchConfig.model_validate({**raw, "run": False, "run_root": str(tmp_path / "bench"),
                                                      "results_dir": str(ROOT / raw["results_dir"]),
