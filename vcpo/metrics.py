@@ -38,6 +38,13 @@ OPOB_GAP_TO_GROUP_MEAN = "opob/gap_to_group_mean"
 OPOB_SIGNED_GAP = "opob/baseline_minus_group_mean"
 OPOB_OMEGA_MAX_SHARE = "opob/omega_max_share"
 IS_LOG_W_REWARD_CORR = "is/log_w_reward_corr"
+IS_BY_LAG_LOG_W_MEAN = "is/by_lag/log_w_mean"
+IS_BY_LAG_ESS_RATIO = "is/by_lag/ess_ratio"
+IS_BY_LAG_KL_K3 = "is/by_lag/kl_k3"
+IS_MISMATCH_LOG_W_MEAN = "is/mismatch/log_w_mean"
+IS_MISMATCH_ESS_RATIO = "is/mismatch/ess_ratio"
+IS_MISMATCH_KL_K3 = "is/mismatch/kl_k3"
+IS_STALENESS_LOG_W_EXCESS = "is/staleness/log_w_mean_excess"
 REWARD_MEAN = "reward/mean"
 REWARD_STD = "reward/std"
 REWARD_MIN = "reward/min"
@@ -195,3 +202,41 @@ def log_w_reward_correlation(seq_log_ratios: Tensor, rewards: Tensor, valid: Ten
     denominator = (x.square().sum() * y.square().sum()).sqrt()
     safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
     return torch.where(denominator > 0, (x * y).sum() / safe, 0.0).float()
+
+
+def behavior_ratio_by_lag(seq_log_ratios: Tensor, token_k3: Tensor, lags: Tensor, valid: Tensor,
+                          num_bins: int = STALENESS_HIST_BINS) -> dict[str, Tensor]:
+    """The behaviour ratio's two sources apart. At lag 0 the engine sampled with the learner's own weights, so
+    log w there is engine/learner numerics alone (a bf16 engine's rounding, a kernel's): the mismatch.
+    Per staleness bin (those of staleness/hist; NaN for an empty bin): is/by_lag/{log_w_mean, ess_ratio,
+    kl_k3}; the lag-0 bin's as is/mismatch/{log_w_mean, ess_ratio, kl_k3}; and is/staleness/log_w_mean_excess,
+    the lagged trajectories' mean log w less the lag-0 one's — what staleness adds on top of the mismatch
+    (NaN unless the batch has both).
+
+    seq_log_ratios: (B,) L_i; token_k3: (B,) each trajectory's token-mean k3 (e^ℓ − 1 − ℓ); lags: (B,) long;
+    valid: (B,) bool."""
+    bins = staleness_bin(lags, num_bins)
+    device = seq_log_ratios.device
+    log_w = torch.where(valid, seq_log_ratios.float(), torch.zeros_like(seq_log_ratios, dtype=torch.float32))
+    nan = torch.full((num_bins,), math.nan, device=device)
+    count = torch.zeros(num_bins, device=device).index_add_(0, bins, valid.float())
+    safe = count.clamp_min(1.0)
+    mean = torch.where(count > 0, torch.zeros(num_bins, device=device).index_add_(0, bins, log_w) / safe, nan)
+    k3 = torch.where(valid, token_k3.float(), torch.zeros_like(log_w))
+    kl = torch.where(count > 0, torch.zeros(num_bins, device=device).index_add_(0, bins, k3) / safe, nan)
+    ess = torch.stack([ess_ratio(log_w, valid & (bins == b)) if count[b] > 0 else nan[b]
+                       for b in range(num_bins)])
+    lagged = valid & (bins > 0)
+    excess = (_masked_mean(log_w, lagged) - mean[0]) if bool(lagged.any()) and count[0] > 0 else nan[0]
+    return {IS_BY_LAG_LOG_W_MEAN: mean, IS_BY_LAG_ESS_RATIO: ess, IS_BY_LAG_KL_K3: kl,
+            IS_MISMATCH_LOG_W_MEAN: mean[0], IS_MISMATCH_ESS_RATIO: ess[0], IS_MISMATCH_KL_K3: kl[0],
+            IS_STALENESS_LOG_W_EXCESS: excess}
+
+
+def trajectory_kl_k3(old_logprobs: Tensor, behavior_logprobs: Tensor, loss_mask: Tensor,
+                     max_log_ratio: float = DEFAULT_MAX_LOG_RATIO) -> Tensor:
+    """(B,) each trajectory's token-mean k3 = e^ℓ − 1 − ℓ over its sampled tokens (0 without any)."""
+    diff = clamp_log_ratios(old_logprobs.detach().float() - behavior_logprobs.detach().float(), max_log_ratio)
+    diff = torch.where(loss_mask, diff, torch.zeros_like(diff))
+    k3 = torch.where(loss_mask, diff.exp() - 1.0 - diff, torch.zeros_like(diff))
+    return k3.sum(dim=-1) / loss_mask.sum(dim=-1).clamp_min(1).to(k3.dtype)

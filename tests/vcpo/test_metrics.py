@@ -78,3 +78,32 @@ def test_log_w_reward_correlation_hand_computed():
     # constant rewards: no correlation to speak of, 0 (never NaN)
     flat = log_w_reward_correlation(torch.tensor([1.0, 2.0, 3.0, 0.0]), torch.ones(4), valid)
     assert float(flat) == 0.0
+
+
+def test_the_behaviour_ratio_by_lag_separates_the_mismatch_from_staleness() -> None:
+    """Lags (0, 0, 1, 3, 3) and L = (0.1, −0.1, −1.0, −2.0, −3.0): the lag-0 bin is the mismatch (mean 0, ESS
+    of e^{±0.1}), bin 1 holds lag 1, bin 2 lags 2–3; the staleness excess is the lagged mean −2.0 less 0."""
+    from vcpo.is_weights import ess_ratio
+    from vcpo.metrics import behavior_ratio_by_lag
+
+    log_w = torch.tensor([0.1, -0.1, -1.0, -2.0, -3.0])
+    k3 = torch.tensor([0.01, 0.02, 0.3, 0.5, 0.7])
+    lags = torch.tensor([0, 0, 1, 3, 3])
+    out = behavior_ratio_by_lag(log_w, k3, lags, torch.ones(5, dtype=torch.bool))
+    by_mean = out["is/by_lag/log_w_mean"].tolist()
+    assert by_mean[:3] == pytest.approx([0.0, -1.0, -2.5], abs=1e-6)
+    assert all(math.isnan(v) for v in by_mean[3:])
+    assert out["is/by_lag/kl_k3"].tolist()[:3] == pytest.approx([0.015, 0.3, 0.6])
+    ess = out["is/by_lag/ess_ratio"].tolist()
+    assert ess[1] == pytest.approx(1.0)  # one trajectory is its own ESS
+    assert ess[2] == pytest.approx(float(ess_ratio(torch.tensor([-2.0, -3.0]))))
+    assert float(out["is/mismatch/ess_ratio"]) == pytest.approx(float(ess_ratio(torch.tensor([0.1, -0.1]))))
+    assert float(out["is/mismatch/log_w_mean"]) == pytest.approx(0.0, abs=1e-6)
+    assert float(out["is/mismatch/kl_k3"]) == pytest.approx(0.015)
+    assert float(out["is/staleness/log_w_mean_excess"]) == pytest.approx(-2.0)
+    # an invalid (or rejected) trajectory counts nowhere; a batch without lag 0 has no mismatch part
+    valid = torch.tensor([True, True, True, True, False])
+    no_zero = behavior_ratio_by_lag(log_w, k3, torch.tensor([1, 1, 1, 3, 3]), valid)
+    assert math.isnan(float(no_zero["is/mismatch/log_w_mean"]))
+    assert math.isnan(float(no_zero["is/staleness/log_w_mean_excess"]))
+    assert no_zero["is/by_lag/log_w_mean"].tolist()[2] == pytest.approx(-2.0)

@@ -591,6 +591,10 @@ def _assemble_output(
     }
     if batch.lags is not None:
         metrics.update(m.staleness_metrics(batch.lags, batch.valid))
+        token_k3 = m.trajectory_kl_k3(batch.old_logprobs, batch.behavior_logprobs, mask,
+                                      objective.max_log_ratio)
+        weighed = batch.valid if batch.rejected is None else batch.valid & ~batch.rejected
+        metrics.update(m.behavior_ratio_by_lag(batch.seq_log_ratios, token_k3, batch.lags, weighed))
     zero = torch.zeros((), dtype=torch.long, device=mask.device)
     counts = LossCounts(
         trajectories=(batch.valid & mask.any(dim=-1)).sum(),
