@@ -506,6 +506,13 @@ class AutoLagConfig(StrictModel):
     min_idle_fraction: float = Field(0.05, ge=0, lt=1)
     """The least share of a step the learner must have waited for its batch (idle / (idle + train)) for
     the batch to count towards a raise: a learner that never waits gains nothing from a larger bound."""
+    judge: Literal["staleness", "total"] = "staleness"
+    """What the bound answers to. 'staleness': the batch's ESS ratio over the engine/learner mismatch's (the
+    mean ESS ratio of the last `mismatch_window` batches' lag-0 trajectories, `is/mismatch/ess_ratio`): a bf16
+    engine's rounding lowers the ESS at every k, and no k removes it. 'total': the ESS ratio as measured
+    (the step size, algo.ess_lr, always reads that one: it is the variance the gradient carries)."""
+    mismatch_window: int = Field(8, ge=1)
+    """Lag-0 measurements the mismatch's ESS ratio averages."""
 
     @model_validator(mode="after")
     def _check(self) -> AutoLagConfig:

@@ -8,6 +8,12 @@ Control law (docs/algorithm.md, "The adaptive lag bound"), at the end of learner
 ESS ratio of batch b, u_b the share of the step the learner spent waiting for the batch
 (idle / (idle + train)) and k the bound in force:
 
+0. **Judge staleness, not the engine.** ρ_b mixes two sources: lag, which k controls, and the engine's
+   numerics against the learner's (a bf16 engine's rounding: ρ < 1 even at lag 0), which no k changes. The
+   batches' lag-0 trajectories measure the latter (`is/mismatch/ess_ratio`); the controller keeps the mean of
+   the last `mismatch_window` such measurements as the mismatch floor ρ_m and judges ρ_b / ρ_m (at most 1;
+   ρ_b itself until a lag-0 trajectory has been seen, or with `judge: total`). An fp32 engine's ρ_m is ~1
+   and nothing changes; a bf16 engine's would otherwise pull k down to k_min for nothing.
 1. **Judge only what k produced.** Batch b is judged only when every one of its groups was admitted under
    k (the groups carry the bound they were admitted under) and ρ_b is finite. A batch admitted under an
    older bound says nothing about k, so the controller holds — this is the pipeline's delay: after a move,
@@ -46,6 +52,10 @@ ROLLOUT_LAG_JUDGED = "rollout/lag_judged"
 """auto: 1 when this step's batch was judged (all its groups admitted under the bound in force), else 0."""
 ROLLOUT_IDLE_FRACTION = "rollout/learner_idle_fraction"
 """auto: the share of the step the learner waited for its batch, u = idle / (idle + train)."""
+ROLLOUT_LAG_JUDGED_ESS = "rollout/lag_judged_ess_ratio"
+"""auto: the ESS ratio the controller compared with τ (ρ_b / ρ_m, or ρ_b; rule 0)."""
+ROLLOUT_LAG_MISMATCH_ESS = "rollout/lag_mismatch_ess_ratio"
+"""auto: the mismatch floor ρ_m in force (NaN before any lag-0 trajectory)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,10 @@ class LagControlSettings:
     patience: int = 3
     min_idle_fraction: float = 0.05
     initial_lag: int | None = None
+    judge: str = "staleness"
+    """'staleness': ρ_b over the mismatch floor (rule 0); 'total': ρ_b as measured."""
+    mismatch_window: int = 8
+    """Lag-0 measurements the mismatch floor averages."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -74,6 +88,10 @@ class LagControlSettings:
             problems.append(f"patience={self.patience} must be ≥ 1")
         if not 0.0 <= self.min_idle_fraction < 1.0:
             problems.append(f"min_idle_fraction={self.min_idle_fraction} must be in [0, 1)")
+        if self.judge not in ("staleness", "total"):
+            problems.append(f"judge={self.judge!r} must be 'staleness' or 'total'")
+        if self.mismatch_window < 1:
+            problems.append(f"mismatch_window={self.mismatch_window} must be ≥ 1")
         if problems:
             raise ValueError("invalid lag control: " + "; ".join(problems))
 
@@ -98,15 +116,32 @@ class LagController:
         """Judged batches in a row that supported a raise (rule 3)."""
         self.raises = 0
         self.lowers = 0
+        self.mismatch: list[float] = []
+        """The latest lag-0 ESS ratios (rule 0), oldest first."""
+        self.judged_ess = math.nan
+        """The ratio the last judged batch was compared with τ by."""
 
-    def update(self, ess_ratio: float, idle_fraction: float, admitted_under: Iterable[int | None]) -> LagMove:
+    @property
+    def mismatch_floor(self) -> float:
+        """ρ_m: the mean of the kept lag-0 measurements (NaN before any)."""
+        return sum(self.mismatch) / len(self.mismatch) if self.mismatch else math.nan
+
+    def update(self, ess_ratio: float, idle_fraction: float, admitted_under: Iterable[int | None],
+               mismatch_ess: float | None = None) -> LagMove:
         """One step: `ess_ratio` ρ_b and `idle_fraction` u_b of batch b, `admitted_under` the bound each of
-        its groups was admitted under (None: unknown, e.g. a group from a checkpoint that predates it)."""
+        its groups was admitted under (None: unknown, e.g. a group from a checkpoint that predates it),
+        `mismatch_ess` the ESS ratio of its lag-0 trajectories (None or NaN: it had none)."""
         settings = self.settings
+        if mismatch_ess is not None and math.isfinite(mismatch_ess) and mismatch_ess > 0:
+            self.mismatch = [*self.mismatch, float(mismatch_ess)][-settings.mismatch_window:]
         if any(bound != self.bound for bound in admitted_under):
             return LagMove(self.bound, 0, False)  # rule 1: a measurement of another bound
         if not math.isfinite(ess_ratio):  # no valid trajectory measured: no evidence either way
             return LagMove(self.bound, 0, False)
+        floor = self.mismatch_floor
+        if settings.judge == "staleness" and math.isfinite(floor):  # rule 0
+            ess_ratio = min(1.0, ess_ratio / floor)
+        self.judged_ess = ess_ratio
         move = 0
         if ess_ratio < settings.target_ess_ratio:  # rule 2
             self.streak = 0
@@ -127,11 +162,15 @@ class LagController:
         """The step's `rollout/*` lag-control metrics."""
         return {ROLLOUT_MAX_LAG: float(move.bound), ROLLOUT_LAG_MOVE: float(move.move),
                 ROLLOUT_LAG_RAISES: float(self.raises), ROLLOUT_LAG_LOWERS: float(self.lowers),
-                ROLLOUT_LAG_JUDGED: float(move.judged), ROLLOUT_IDLE_FRACTION: idle_fraction}
+                ROLLOUT_LAG_JUDGED: float(move.judged), ROLLOUT_IDLE_FRACTION: idle_fraction,
+                ROLLOUT_LAG_JUDGED_ESS: self.judged_ess if move.judged else math.nan,
+                ROLLOUT_LAG_MISMATCH_ESS: self.mismatch_floor}
 
-    def state(self) -> dict[str, int]:
-        """What a checkpoint keeps: the bound in force, the streak and the move counts."""
-        return {"bound": self.bound, "streak": self.streak, "raises": self.raises, "lowers": self.lowers}
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the bound in force, the streak, the move counts, the mismatch floor's
+        measurements."""
+        return {"bound": self.bound, "streak": self.streak, "raises": self.raises, "lowers": self.lowers,
+                "mismatch": list(self.mismatch)}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from `state()`; a bound outside this run's [min_lag, max_lag] (the range was changed
@@ -141,6 +180,7 @@ class LagController:
         self.streak = int(state.get("streak", 0))
         self.raises = int(state.get("raises", 0))
         self.lowers = int(state.get("lowers", 0))
+        self.mismatch = [float(v) for v in state.get("mismatch", [])][-settings.mismatch_window:]
 
 
 def idle_fraction(idle_s: float, train_s: float) -> float:

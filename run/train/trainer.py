@@ -132,7 +132,8 @@ def lag_controller(config: RunConfig) -> LagController | None:
     auto = rollout.auto_lag
     return LagController(LagControlSettings(
         min_lag=auto.min_lag, max_lag=auto.max_lag, target_ess_ratio=auto.target_ess_ratio,
-        patience=auto.patience, min_idle_fraction=auto.min_idle_fraction, initial_lag=auto.initial_lag))
+        patience=auto.patience, min_idle_fraction=auto.min_idle_fraction, initial_lag=auto.initial_lag,
+        judge=auto.judge, mismatch_window=auto.mismatch_window))
 
 
 def rollout_metrics(batch: StepInput) -> dict[str, float]:
@@ -289,8 +290,10 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                     waited_share = (manager.clock.step(step).idle_fraction if manager.clock is not None
                                     else idle_fraction(idle_learner, train_s))
                     ess = metrics.get(names.IS_ESS_RATIO)
+                    mismatch = metrics.get(names.IS_MISMATCH_ESS_RATIO)
                     move = lag_control.update(float("nan") if ess is None else float(ess), waited_share,
-                                              [ticket.lag_bound for ticket, _ in groups])
+                                              [ticket.lag_bound for ticket, _ in groups],
+                                              None if mismatch is None else float(mismatch))
                     await manager.set_max_lag(move.bound)
                     metrics.update(lag_control.metrics(move, waited_share))
                 else:

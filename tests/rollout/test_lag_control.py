@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from rollout.lag_control import (
@@ -94,7 +96,8 @@ def test_state_round_trips_and_a_restored_bound_is_clamped_into_a_changed_range(
         control.update(0.9, 0.5, _under(control))
     resumed = LagController(SETTINGS)
     resumed.restore(control.state())
-    assert resumed.state() == control.state() == {"bound": 1, "streak": 1, "raises": 1, "lowers": 0}
+    assert resumed.state() == control.state() == {"bound": 1, "streak": 1, "raises": 1, "lowers": 0,
+                                                      "mismatch": []}
     narrower = LagController(LagControlSettings(min_lag=2, max_lag=4))
     narrower.restore(control.state())
     assert narrower.bound == 2 and narrower.raises == 1
@@ -122,3 +125,40 @@ def test_idle_fraction() -> None:
 def test_bad_settings_are_refused(settings: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LagControlSettings(**settings)
+
+
+def test_the_bound_answers_to_staleness_not_to_the_engines_mismatch() -> None:
+    """A bf16 engine: its lag-0 trajectories alone give ESS 0.6. Batches at ρ = 0.45 are 0.75 of that
+    floor: judged on staleness they keep k (τ = 0.5); judged in total they pull k down though no k changes the
+    0.6."""
+    def run(judge: str) -> list[int]:
+        settings = LagControlSettings(min_lag=0, max_lag=8, initial_lag=4, target_ess_ratio=0.5, patience=3,
+                                      judge=judge)
+        controller = LagController(settings)
+        bounds = []
+        for _ in range(4):
+            move = controller.update(0.45, 0.5, [controller.bound], mismatch_ess=0.6)
+            bounds.append(move.bound)
+        return bounds
+
+    assert run("staleness") == [4, 4, 5, 5]  # judged 0.75 ≥ τ while the learner waits: raised at patience 3
+    assert run("total") == [3, 2, 1, 0]  # ρ 0.45 < τ: lowered every judged step
+
+
+def test_the_mismatch_floor_is_the_mean_of_its_window_and_survives_a_resume() -> None:
+    settings = LagControlSettings(min_lag=0, max_lag=4, initial_lag=2, mismatch_window=2)
+    controller = LagController(settings)
+    assert math.isnan(controller.mismatch_floor)
+    controller.update(0.9, 0.0, [2], mismatch_ess=0.5)
+    assert controller.judged_ess == pytest.approx(1.0)  # 0.9 / 0.5 capped at 1
+    for value in (0.7, 0.9, math.nan, None):  # NaN or None: the batch had no lag-0 trajectory
+        controller.update(0.9, 0.0, [controller.bound], mismatch_ess=value)
+    assert controller.mismatch_floor == pytest.approx(0.8)  # the last two: 0.7 and 0.9
+    metrics = controller.metrics(LagMove(controller.bound, 0, True), 0.0)
+    assert metrics["rollout/lag_mismatch_ess_ratio"] == pytest.approx(0.8)
+    resumed = LagController(settings)
+    resumed.restore(controller.state())
+    assert resumed.mismatch_floor == pytest.approx(0.8)
+    fresh = LagController(settings)  # no lag-0 trajectory yet: ρ as measured
+    fresh.update(0.3, 0.0, [2])
+    assert fresh.judged_ess == pytest.approx(0.3)
