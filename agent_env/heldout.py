@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import statistics
 import time
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent_env.evaluate import evaluate, read_finished, summary_of
+from agent_env.evaluate import EvalFileError, evaluate, read_finished, summary_of
 from agent_env.loop import EpisodeSettings
 from agent_env.prompts import render_messages
 from agent_env.samples import Sample
@@ -45,6 +46,8 @@ Z_95 = 1.959963984540054
 _T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
           10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000,
           120: 1.980}
+
+log = logging.getLogger(__name__)
 
 
 def t_quantile_975(dof: int) -> float:
@@ -251,6 +254,20 @@ class HeldoutEvaluator:
         return {"kind": "heldout", "version": version, "k": self.k, "task": self.task_name,
                 "prompts": [s.sample_id for s in self.heldout.samples], "settings": settings}
 
+    def _set_aside_if_other(self, version: int) -> None:
+        """An existing file of `version` written with other settings (the task, the sampling, the prompts
+        changed since, or a stored start evaluation copied in from elsewhere) is renamed aside, with a
+        warning naming what differs, and the version is evaluated afresh — a resumed run or a reused start
+        never dies of it, and never mixes two evaluations."""
+        path = self.path(version)
+        try:
+            read_finished(path, self.meta(version))
+        except EvalFileError as exc:
+            aside = path.with_name(f"{path.stem}.other-settings-{int(time.time())}{path.suffix}")
+            path.rename(aside)
+            log.warning("%s: evaluating version %d again: %s (kept as %s)", self.label, version, exc,
+                        aside.name)
+
     def discard_after(self, version: int) -> None:
         """Delete the evaluations of versions after `version` (a resumed run retrains those versions)."""
         if not self.out_dir.is_dir():
@@ -260,11 +277,15 @@ class HeldoutEvaluator:
                 path.unlink()
 
     def stored(self, version: int) -> HeldoutResult | None:
-        """The finished evaluation of `version` from its file, or None when it is absent or partial."""
+        """The finished evaluation of `version` from its file, or None when it is absent, partial or made with
+        other settings."""
         path = self.path(version)
         if not path.is_file():
             return None
-        records = read_finished(path, self.meta(version))
+        try:
+            records = read_finished(path, self.meta(version))
+        except EvalFileError:
+            return None
         try:
             result = result_from_records(version, records, self.heldout.samples, self.k, 0.0)
         except ValueError:
@@ -275,6 +296,7 @@ class HeldoutEvaluator:
         """Evaluate the policy the engine holds now, which must be `version` (the caller does not push
         weights until this returns); resumes a partial file of the same version."""
         started = time.perf_counter()
+        self._set_aside_if_other(version)
         await evaluate(self.engine, self.tokenizer, self.tool, system=self.system, user=self.user,
                        samples=self.heldout.samples, reward=self.reward, settings=self.settings, k=self.k,
                        out_path=self.path(version), meta=self.meta(version), concurrency=self.concurrency,

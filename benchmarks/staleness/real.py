@@ -13,7 +13,9 @@ The starting policy's evaluation depends only on the seed (fixed per-(prompt, sa
 the starting weights and the evaluation's settings (the run config, the overrides, `eval_samples`), so it
 is made once per such start — by the first run of it — kept in `results_dir/start/` under a name keyed by
 all of them, and placed into every later run of it before it starts, where the trainer finds it finished
-and reuses it. A start with other settings finds no file and evaluates for itself.
+and reuses it. A start with other settings finds no file and evaluates for itself; a stored file that turns
+out to be of other settings all the same (its key does not cover the task file) is set aside by the trainer,
+which evaluates afresh, and that evaluation replaces it in the store.
 
 Finished runs are stored as small JSON rows in `results_dir` keyed by everything that decides them (the
 run config and overrides, the method, lr, k, seed, steps, batch), each recording its starting weights'
@@ -165,6 +167,12 @@ def _copy_atomically(source: Path, target: Path) -> None:
     os.replace(tmp, target)
 
 
+def _meta_line(path: Path) -> str:
+    """An evaluation file's first line (its meta: the settings it was made with)."""
+    with open(path, encoding="utf-8") as handle:
+        return handle.readline()
+
+
 def run_one(bench: StalenessRealBenchConfig, job: Job, policy: Path, weights: str, repo_root: Path,
             run_dir: Path, progress: Callable[[str], None]) -> dict[str, Any]:
     """Train one (method, k, seed) with `vcpo train` (resuming its run directory if it holds a checkpoint)
@@ -187,7 +195,11 @@ def run_one(bench: StalenessRealBenchConfig, job: Job, policy: Path, weights: st
     if finished.returncode != 0:
         raise RuntimeError(f"`vcpo train` exited with {finished.returncode} (log: {run_dir / 'bench.log'}); "
                            "the run resumes from its newest checkpoint on the next call")
-    if not stored_start.is_file():
+    if not stored_start.is_file() or _meta_line(stored_start) != _meta_line(start_file):
+        # the trainer set a stored start of other eval settings aside and evaluated afresh: keep its
+        # evaluation as the seed's start from now on (the old one stays beside it, renamed)
+        if stored_start.is_file():
+            stored_start.rename(stored_start.with_name(f"{stored_start.stem}.other-settings{stored_start.suffix}"))
         _copy_atomically(start_file, stored_start)
     start, final = result_from_file(start_file), result_from_file(_version_file(run_dir, bench.steps))
     change = paired_change(start, final)

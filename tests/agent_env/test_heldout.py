@@ -156,3 +156,25 @@ def test_an_evaluation_file_written_twice_says_what_it_holds() -> None:
         result_from_records(12, once + once[:2], samples, 1, 0.0)
     with pytest.raises(ValueError, match=r"version 12 holds 2 of its 3 samples.*delete its file"):
         result_from_records(12, once[:2], samples, 1, 0.0)
+
+
+async def test_an_evaluation_made_with_other_settings_is_set_aside_and_made_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A stored start evaluation copied in from a run with other eval settings (or a resumed run whose
+    task changed): the trainer's evaluator does not die of it (it once raised EvalFileError at step 0) and
+    does not mix it in — it renames the file aside, says what differed, and evaluates the version again."""
+    samples = [_sample(t) for t in (10, 11, 12)]
+    engine = ScriptedEngine(eos_token_id=build_byte_tokenizer().eos_token_id)
+    async with engine:
+        evaluator = _evaluator(tmp_path, engine, samples)
+        first = await evaluator.run(0)
+        other = evaluator.path(0).read_text().replace('"max_total_tokens": 64', '"max_total_tokens": 128')
+        evaluator.path(0).write_text(other)
+        assert evaluator.stored(0) is None  # not this evaluation's: nothing to reuse
+        before = len(engine.requests)
+        with caplog.at_level("WARNING", logger="agent_env.heldout"):
+            again = await evaluator.run(0)
+    assert len(engine.requests) - before == 3 and again.success == first.success
+    assert "evaluating version 0 again" in caplog.text and "max_total_tokens" in caplog.text
+    aside = [p.name for p in (tmp_path / "eval").iterdir() if "other-settings" in p.name]
+    assert len(aside) == 1 and evaluator.stored(0) is not None
