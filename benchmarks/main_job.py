@@ -55,19 +55,30 @@ def run_main_job_bench(bench: MainJobBenchConfig, repo_root: Path,
         if finished.returncode != 0:
             raise RuntimeError(f"seed {seed}: `vcpo train` exited with {finished.returncode}; its run dir "
                                f"{run_dir} resumes on the next call")
-        keep_evidence(run_dir, evidence, wall_s)
+        base = None
+        if bench.base_model:  # the same evaluations of the model before its warm start
+            base = run_dir.with_name(run_dir.name + "_base")
+            base_command = [*command, f"run_dir={base}", "warm_start.enabled=false", "--stop-after-step", "0"]
+            progress(f"[main_job] seed {seed}, the model before its warm start: {' '.join(base_command[3:])}")
+            if subprocess.run(base_command, cwd=repo_root, check=False).returncode != 0:
+                raise RuntimeError(f"seed {seed}: the base model's evaluation failed (log in {base})")
+        keep_evidence(run_dir, evidence, wall_s, base)
     return summarize_main_job(evidence_root, bench.seeds, bench.min_gain)
 
 
-def keep_evidence(run_dir: Path, evidence: Path, wall_s: float) -> None:
-    """Copy `run_dir`'s small files into `evidence` (written beside and renamed into place)."""
+def keep_evidence(run_dir: Path, evidence: Path, wall_s: float, base: Path | None = None) -> None:
+    """Copy `run_dir`'s small files into `evidence` (written beside and renamed into place): with its
+    evaluation files (every eval set's under eval/<name>/), and `base`'s evaluations under base/eval/."""
     tmp = evidence.with_name(evidence.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "eval").mkdir(parents=True)
     for name in EVIDENCE_FILES:
         shutil.copy2(run_dir / name, tmp / name)
-    for path in sorted((run_dir / "eval").glob("version_*.jsonl")):
-        shutil.copy2(path, tmp / "eval" / path.name)
+    for source, target in ((run_dir, tmp), *(((base, tmp / "base"),) if base is not None else ())):
+        for path in sorted((source / "eval").glob("**/version_*.jsonl")):
+            destination = target / "eval" / path.relative_to(source / "eval")
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, destination)
     (tmp / TIMING_FILE).write_text(json.dumps({"process_wall_s": round(wall_s, 1)}) + "\n")
     shutil.rmtree(evidence, ignore_errors=True)
     tmp.rename(evidence)
@@ -120,7 +131,37 @@ def summarize_seed(evidence: Path, min_gain: float) -> dict[str, Any]:
         "run_wall_s": round(summary["wall_s"], 1),
         "phases_s": {name: round(seconds, 1) for name, seconds in summary["phases_s"].items()},
         "host": summary["host"],
+        **_eval_sets(evidence),
+        **_base_model(evidence),
     }
+
+
+def _eval_sets(evidence: Path) -> dict[str, Any]:
+    """Each eval set's evaluations (trainer.eval_sets: e.g. the test set no choice was tuned on) and its start
+    → end change paired by prompt; {} without any."""
+    sets: dict[str, Any] = {}
+    for folder in sorted(p for p in (evidence / "eval").iterdir() if p.is_dir()):
+        paths = sorted(folder.glob("version_*.jsonl"))
+        results = [result_from_file(path) for path in paths]
+        evaluations = [_evaluation(result, path) for result, path in zip(results, paths, strict=True)]
+        entry: dict[str, Any] = {"evaluations": evaluations}
+        if len(results) >= 2 and results[0].version == 0:
+            change = paired_change(results[0], results[-1])
+            entry.update(gain=round(change.gain, 4), gain_low=round(change.low, 4),
+                         gain_high=round(change.high, 4))
+        sets[folder.name] = entry
+    return {"eval_sets": sets} if sets else {}
+
+
+def _base_model(evidence: Path) -> dict[str, Any]:
+    """The model before its warm start, on the held-out set and every eval set (base/eval/): {} if not run."""
+    folder = evidence / "base" / "eval"
+    if not folder.is_dir():
+        return {}
+    found = {"heldout": folder / "version_000000.jsonl",
+             **{p.name: p / "version_000000.jsonl" for p in sorted(folder.iterdir()) if p.is_dir()}}
+    return {"base_model": {name: _evaluation(result_from_file(path), path)
+                           for name, path in found.items() if path.is_file()}}
 
 
 def summarize_main_job(evidence_root: Path, seeds: list[int], min_gain: float) -> dict[str, Any]:

@@ -86,6 +86,10 @@ class MainJobBenchConfig(StrictModel):
     min_gain: float = Field(0.10, ge=0, le=1)
     """The claim: every seed's held-out success rises by at least this (a fraction) with its interval
     above 0, and no evaluation falls significantly below the start."""
+    base_model: bool = False
+    """Also evaluate the model before its warm start, per seed, on the same sets with the same settings and
+    seed (`vcpo train` of the config with warm_start.enabled=false and --stop-after-step 0): the baseline
+    the warm start and RL are measured from."""
 
 
 LearnerSweepRow = Literal["grpo", "vcpo_fast", "vcpo_per_trajectory"]

@@ -115,7 +115,9 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the run config")
     train.add_argument("--no-progress", action="store_true", help="no live progress line")
     train.add_argument("--stop-after-step", type=int, default=None,
-                       help="exit after this step (a checkpoint is written first if it is a checkpoint step)")
+                       help="exit after this step (a checkpoint is written first if it is a checkpoint "
+                            "step); 0: evaluate the starting policy (trainer.eval_every, trainer.eval_sets) "
+                            "and exit")
     train.set_defaults(handler=_train)
 
     evaluate = commands.add_parser("eval", help="evaluate a model on a task (avg@k, pass@k, maj@k)")

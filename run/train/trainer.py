@@ -267,6 +267,8 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
             last_busy, last_wall = manager.busy_seconds(), time.perf_counter()
             last_cpu = process_cpu_seconds()
             for step in range(start_step, trainer.total_steps):
+                if stop_after_step is not None and step >= stop_after_step:
+                    break  # --stop-after-step 0: the evaluations of the starting policy, no RL step
                 if live is not None:
                     live.begin(step + 1, "rollouts")
                 # This (event-loop) thread's OpenMP team — from loading or warm-starting the model, or
