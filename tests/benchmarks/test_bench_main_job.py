@@ -146,3 +146,23 @@ def test_the_bench_command_summarizes_without_running() -> None:
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout) == json.loads(COMMITTED.read_text())
+
+
+def test_a_test_set_and_the_base_model_are_summarized_beside_the_held_out_set(tmp_path: Path) -> None:
+    """eval/test/ (an eval set) and base/eval/ (the model before its warm start): each set's paired start →
+    end change, and the base model's success on every set, from the evidence alone."""
+    evidence = _evidence(tmp_path / "seed_1", {0: [False] * 10, 10: [True] * 5 + [False] * 5})
+    (evidence / "eval" / "test").mkdir()
+    for version, correct in {0: [True] + [False] * 9, 10: [True] * 4 + [False] * 6}.items():
+        _eval_file(evidence / "eval" / "test", version, correct)
+    (evidence / "base" / "eval" / "test").mkdir(parents=True)
+    _eval_file(evidence / "base" / "eval", 0, [False] * 10)
+    _eval_file(evidence / "base" / "eval" / "test", 0, [True] + [False] * 9)
+    row = summarize_seed(evidence, 0.10)
+    assert row["gain"] == pytest.approx(0.5)
+    test = row["eval_sets"]["test"]
+    assert [e["step"] for e in test["evaluations"]] == [0, 10] and test["gain"] == pytest.approx(0.3)
+    assert test["gain_low"] <= test["gain"] <= test["gain_high"]
+    assert row["base_model"]["heldout"]["success"] == 0.0 and row["base_model"]["test"]["success"] == 0.1
+    plain = summarize_seed(_evidence(tmp_path / "seed_2", {0: [False] * 4, 10: [True] * 4}), 0.10)
+    assert "eval_sets" not in plain and "base_model" not in plain  # the first protocol's evidence, unchanged
