@@ -53,7 +53,9 @@ async def test_a_failed_sample_stops_the_samples_in_flight(tmp_path: Path) -> No
     from rollout.errors import InvalidRequest
     from rollout.tiny import build_byte_tokenizer
 
-    class OneRefusal:  # only what the agent loop calls
+    class OneRefusal:  # only what the agent loop uses
+        version = 0
+
         def __init__(self) -> None:
             self.calls, self.cancelled = 0, 0
 
