@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from learner.forward.packing import TrajectoryTokens
+from learner.traj_grads.opob_grad import BaselineFn
 
 VOCAB = 160
 _COMMON = {
@@ -90,6 +91,24 @@ def shared_prompt_trajectories(num_groups: int, per_group: int, seed: int = 0, p
                 loss_mask = [False] * len(loss_mask)
             trajectories.append(TrajectoryTokens(shared + response, loss_mask, group_id=100 + group))
     return trajectories
+
+
+def vcpo_coefficients(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """VCPO-shaped per-trajectory coefficients: a_i = w_i R_i / B and s_i = w_i / B (σ = 1), random w, R."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.rand(count, generator=generator) * 2.0
+    rewards = torch.randint(0, 2, (count,), generator=generator).float()
+    return weights * rewards / count, weights / count
+
+
+def optimal_baseline(a: torch.Tensor, s: torch.Tensor) -> BaselineFn:
+    """The per-group b* = Σ s²‖g‖² (a/s) / Σ s²‖g‖² of those coefficients (a/s is each reward)."""
+
+    def baseline(group: int, members: torch.Tensor, sq_norms: torch.Tensor) -> float:
+        importance = s[members] ** 2 * sq_norms
+        return float((importance * (a / s)[members]).sum() / importance.sum())
+
+    return baseline
 
 
 def capture_grads(learner: object) -> dict[str, torch.Tensor]:

@@ -14,12 +14,11 @@ from learner.forward.chunked_head import chunk_rows, head_chunks
 from learner.forward.logprobs import autocast, chunkable_head, head_chunk_plan, packed_target_logprobs
 from learner.forward.packing import TrajectoryTokens, pack_trajectories
 from learner.traj_grads.opob_grad import (
-    BaselineFn,
     OpobGradResult,
     accumulate_opob_grad_packed,
     accumulate_opob_grad_per_trajectory,
 )
-from tests.learner.conftest import tiny_model
+from tests.learner.conftest import optimal_baseline, tiny_model, vcpo_coefficients
 
 SMALLEST = 1e-9
 """A chunk budget that gives the smallest chunks (16 rows): every micro-batch here is chunked."""
@@ -72,28 +71,13 @@ def test_one_pass_where_the_logits_fit_and_never_for_a_head_that_is_not_plain() 
     assert chunkable_head(model) is None
 
 
-def _coefs(count: int) -> tuple[Tensor, Tensor]:
-    generator = torch.Generator().manual_seed(5)
-    weights = torch.rand(count, generator=generator) * 2.0
-    rewards = torch.randint(0, 2, (count,), generator=generator).float()
-    return weights * rewards / count, weights / count
-
-
-def _baseline(a: Tensor, s: Tensor) -> BaselineFn:
-    def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
-        importance = s[members] ** 2 * sq_norms
-        return float((importance * (a / s)[members]).sum() / importance.sum())
-
-    return baseline
-
-
 def _opob(model: nn.Module, trajectories: list[TrajectoryTokens], packed: bool, **kwargs: object
           ) -> tuple[OpobGradResult, dict[str, Tensor]]:
-    a, s = _coefs(len(trajectories))
+    a, s = vcpo_coefficients(len(trajectories), seed=5)
     model.zero_grad(set_to_none=True)
     batches = pack_trajectories(trajectories, max_tokens=120)
     path = accumulate_opob_grad_packed if packed else accumulate_opob_grad_per_trajectory
-    return path(model, batches, a, s, _baseline(a, s), **kwargs), _grads(model)
+    return path(model, batches, a, s, optimal_baseline(a, s), **kwargs), _grads(model)
 
 
 @pytest.mark.parametrize("kind", ["llama_tied", "llama_untied"])

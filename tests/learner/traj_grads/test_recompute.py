@@ -12,27 +12,11 @@ from torch import Tensor, nn
 from learner.forward.packing import TrajectoryTokens, pack_trajectories
 from learner.traj_grads.hooks import PackedGradHooks
 from learner.traj_grads.opob_grad import (
-    BaselineFn,
     OpobGradResult,
     accumulate_opob_grad_packed,
     accumulate_opob_grad_per_trajectory,
 )
-from tests.learner.conftest import tiny_model
-
-
-def _coefs(count: int) -> tuple[Tensor, Tensor]:
-    generator = torch.Generator().manual_seed(3)
-    weights = torch.rand(count, generator=generator) * 2.0
-    rewards = torch.randint(0, 2, (count,), generator=generator).float()
-    return weights * rewards / count, weights / count
-
-
-def _baseline(a: Tensor, s: Tensor) -> BaselineFn:
-    def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
-        importance = s[members] ** 2 * sq_norms
-        return float((importance * (a / s)[members]).sum() / importance.sum())
-
-    return baseline
+from tests.learner.conftest import optimal_baseline, tiny_model, vcpo_coefficients
 
 
 def _grads(model: nn.Module) -> dict[str, Tensor]:
@@ -41,11 +25,11 @@ def _grads(model: nn.Module) -> dict[str, Tensor]:
 
 def _run(model: nn.Module, trajectories: list[TrajectoryTokens], packed: bool, max_tokens: int,
          **kwargs: object) -> tuple[OpobGradResult, dict[str, Tensor]]:
-    a, s = _coefs(len(trajectories))
+    a, s = vcpo_coefficients(len(trajectories), seed=3)
     model.zero_grad(set_to_none=True)
     path = accumulate_opob_grad_packed if packed else accumulate_opob_grad_per_trajectory
     batches = pack_trajectories(trajectories, max_tokens=max_tokens)
-    result = path(model, batches, a, s, _baseline(a, s), **kwargs)
+    result = path(model, batches, a, s, optimal_baseline(a, s), **kwargs)
     return result, _grads(model)
 
 
