@@ -10,6 +10,15 @@ A trajectory is a prompt plus every turn, as the exact token ids the engine cons
 * `versions.per_token[t]` (optional) is the policy version that sampled token t where
   `loss_mask[t]`, and -1 elsewhere.
 
+An episode whose turns do not all extend one growing context — earlier turns' reasoning stripped as a
+thinking model's chat template does, a history compacted into a summary, a program that edits its
+messages — is a list of *segments*: `segment_starts` are the token indices where a new context begins, each
+segment its own context followed by what was sampled in it, with the same per-token alignment. The token
+arrays are the segments end to end; turns that extend the previous context stay in one segment, so no token
+is stored twice. The episode, not the segment, is the unit of everything per trajectory: its reward, its
+sequence log-ratio (over every sampled token of every segment), its group, its staleness. A one-segment
+episode (`segment_starts == (0,)`, the default) is stored and trained exactly as before.
+
 It serialises to msgpack (the stream, replay) and to one JSON line (debugging); both round-trip
 exactly. `TrajectoryBuilder` assembles one from context tokens and GenerationResults. Rewards,
 filters and the agent loop live elsewhere (agent_env/).
@@ -17,6 +26,7 @@ filters and the agent loop live elsewhere (agent_env/).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Literal
@@ -103,6 +113,9 @@ class Trajectory(StrictFrozenModel):
     """Episode metadata."""
     timings: TrajectoryTimings = Field(default_factory=TrajectoryTimings)
     """Wall-clock timings."""
+    segment_starts: tuple[int, ...] = (0,)
+    """Token index of each segment's first token (module docstring): 0 first, increasing; a segment starts
+    with context, never with a sampled token."""
 
     @model_validator(mode="after")
     def _check(self) -> Trajectory:
@@ -123,8 +136,28 @@ class Trajectory(StrictFrozenModel):
                 raise ValueError(f"behavior_logprobs[{t}]={logprob} where loss_mask is false; it must be 0.0")
         if not math.isfinite(self.reward):
             raise ValueError(f"reward={self.reward} must be finite")
+        self._check_segments()
         self._check_versions()
         return self
+
+    def _check_segments(self) -> None:
+        starts = self.segment_starts
+        if not starts or starts[0] != 0:
+            raise ValueError(f"segment_starts={starts} must begin with 0 (the first segment starts the "
+                             "episode)")
+        if any(b <= a for a, b in itertools.pairwise(starts)) or starts[-1] >= len(self.token_ids):
+            raise ValueError(f"segment_starts={starts} must increase and stay below the "
+                             f"{len(self.token_ids)} tokens")
+        sampled = [start for start in starts if self.loss_mask[start]]
+        if sampled:
+            raise ValueError(f"segments starting at {sampled} start with a sampled token; a segment's first "
+                             "token is context (nothing precedes it to sample it from)")
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """Each segment's `[start, end)` token range."""
+        ends = [*self.segment_starts[1:], len(self.token_ids)]
+        return list(zip(self.segment_starts, ends, strict=True))
 
     def _check_versions(self) -> None:
         versions = self.versions
@@ -181,10 +214,36 @@ class TrajectoryBuilder:
         self._finish_reason: FinishReason = "stop"
         self._turns = 0
         self._generate_s = 0.0
+        self._segment_starts: list[int] = [0]
+        self._segment_length = 0
+        """Tokens of the current segment (its context and what was sampled in it)."""
         self.add_context(prompt_token_ids)
+
+    def context_ids(self) -> list[int]:
+        """The current segment's tokens: what the model reads at the next turn."""
+        return self.token_ids[len(self.token_ids) - self._segment_length:]
+
+    def start_segment(self, context_ids: Sequence[int]) -> None:
+        """A new context that does not extend the current one (earlier reasoning stripped, a compacted
+        history): the next turns are sampled after `context_ids` alone. A context that does extend the
+        current segment's is appended to it instead (no token stored twice)."""
+        current = self.context_ids()
+        if list(context_ids[:len(current)]) == current:
+            self.add_context(context_ids[len(current):])
+            return
+        if not context_ids:
+            raise ValueError("a new segment needs at least one context token")
+        self._segment_starts.append(len(self.token_ids))
+        self._segment_length = 0
+        self.add_context(context_ids)
+
+    @property
+    def segment_count(self) -> int:
+        return len(self._segment_starts)
 
     def add_context(self, token_ids: Sequence[int]) -> None:
         """Tokens the model did not sample (prompt, tool observation)."""
+        self._segment_length += len(token_ids)
         self.token_ids.extend(token_ids)
         self._loss_mask.extend([False] * len(token_ids))
         self._logprobs.extend([0.0] * len(token_ids))
@@ -200,6 +259,7 @@ class TrajectoryBuilder:
         if self._version_start is None:
             self._version_start = result.version_start
         self.token_ids.extend(result.token_ids)
+        self._segment_length += len(result.token_ids)
         self._loss_mask.extend([True] * len(result.token_ids))
         self._logprobs.extend(result.logprobs)
         self._versions.extend(result.versions)
@@ -236,4 +296,5 @@ class TrajectoryBuilder:
             reward=reward,
             task=task,
             timings=timings or TrajectoryTimings(generate_s=self._generate_s),
+            segment_starts=tuple(self._segment_starts),
         )

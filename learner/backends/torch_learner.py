@@ -327,7 +327,8 @@ class TorchLearner:
             trained = iter(kept_list[i])  # column c of row i is the c-th trained position of trajectory i
             mask = [bool(m) and next(trained) for m in t.loss_mask]
             corrected_tokens.append(TrajectoryTokens(t.token_ids, mask, group_id=t.group_id,
-                                                     token_weights=t.token_weights))
+                                                     token_weights=t.token_weights,
+                                                     segment_starts=t.segment_starts))
         silent = self._silent_trajectories(corrected_tokens, rewards, group_ids)
         ranked = self._pack_ranked(corrected_tokens, apart=silent)
         microbatches = [mb for mb, _ in ranked]
@@ -380,7 +381,8 @@ class TorchLearner:
         for trajectory, group, is_trained in zip(batch.trajectories, batch.group_ids, batch.is_trained,
                                                  strict=True):
             mask = trajectory.loss_mask if is_trained else (False,) * len(trajectory.loss_mask)
-            tokens.append(TrajectoryTokens(trajectory.token_ids, mask, group_id=int(group)))
+            tokens.append(TrajectoryTokens(trajectory.token_ids, mask, group_id=int(group),
+                                           segment_starts=trajectory.segment_starts))
         return tokens
 
     def _pack(self, tokens: list[TrajectoryTokens]) -> list[PackedMicroBatch]:

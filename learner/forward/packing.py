@@ -8,8 +8,13 @@ trajectory boundary (`tests/learner/forward/test_logprobs.py` pins this down).
 
 Targets are shifted inside each trajectory: position `t` predicts token `t + 1` of the *same*
 trajectory, so the last position of every trajectory has no target and the first token of a
-trajectory is never a target. The loss-token weight `c_{t+1}` (the per-token aggregation
-weight of the trajectory's log-likelihood `ℓ_i = Σ_t c_t log π(y_t | y_<t)`) travels with it.
+trajectory is never a target. A trajectory of several segments (rollout/trajectory.py: contexts that do
+not extend one another) is its segments end to end with `position_ids` restarting at each, so each segment
+attends only to itself, exactly as separate sequences would; its tokens still belong to one trajectory
+(`token_trajectory`), so everything per trajectory — the sequence log-ratio, the per-trajectory gradient
+norm — sums over all its segments. A segment starts with context, so no target crosses into it. The
+loss-token weight `c_{t+1}` (the per-token aggregation weight of the trajectory's log-likelihood
+`ℓ_i = Σ_t c_t log π(y_t | y_<t)`) travels with it.
 
 This module only arranges tokens. It does not run models or compute losses, and it builds CPU
 tensors; move a micro-batch with `PackedMicroBatch.to(device)`.
@@ -42,6 +47,8 @@ class TrajectoryTokens:
     loss_mask: Sequence[bool]
     group_id: int
     token_weights: Sequence[float] | None = None
+    segment_starts: Sequence[int] = (0,)
+    """Where each segment begins (0 first): positions restart there."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -60,6 +67,21 @@ class TrajectoryTokens:
                 "loss_mask[0] is true, but the first token of a trajectory has no context to be predicted "
                 "from; start every trajectory with at least one prompt token"
             )
+        starts = list(self.segment_starts)
+        if not starts or starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= n:
+            raise ValueError(f"segment_starts={starts} must be increasing token indices starting at 0")
+        if any(self.loss_mask[start] for start in starts):
+            raise ValueError(f"a segment of {starts} starts with a loss token; each starts with context")
+
+
+def segment_positions(length: int, segment_starts: Sequence[int]) -> Tensor:
+    """(length,) positions 0, 1, … restarting at each segment start."""
+    if len(segment_starts) == 1:
+        return torch.arange(length)
+    positions = torch.arange(length)
+    starts = torch.as_tensor(list(segment_starts), dtype=torch.long)
+    owner = torch.searchsorted(starts, positions, right=True) - 1
+    return positions - starts[owner]
 
 
 def aggregation_weights(loss_mask: Tensor, aggregation: Aggregation) -> Tensor:
@@ -169,10 +191,11 @@ def build_microbatch(
         else:
             weights = torch.as_tensor(list(trajectory.token_weights), dtype=torch.float32) * loss_mask
         length = ids.numel()
-        # Position t predicts token t+1 of the same trajectory; the last position has no target.
+        # Position t predicts token t+1 of the same trajectory; the last position has no target (nor the
+        # last of a segment: the next segment starts with context, whose loss_mask is false).
         target_mask = torch.cat([loss_mask[1:], torch.zeros(1, dtype=torch.bool)])
         parts["ids"].append(ids)
-        parts["pos"].append(torch.arange(length))
+        parts["pos"].append(segment_positions(length, trajectory.segment_starts))
         parts["traj"].append(torch.full((length,), j, dtype=torch.long))
         parts["mask"].append(target_mask)
         parts["tgt"].append(torch.cat([ids[1:], ids.new_zeros(1)]) * target_mask)
@@ -286,10 +309,15 @@ def share_prefixes(batch: PackedMicroBatch,
     Consecutive members of one group with targets form a run; its shared prefix is their longest
     common token prefix, cut back so that it holds no target (the token before each trajectory's first
     sampled token predicts it, so it stays in every branch). A run shares when that prefix has at
-    least `min_shared` tokens. Cost: O(N) host work (the token ids are read to the host)."""
+    least `min_shared` tokens and none of its members has several segments (a branch attends to the last
+    segment that started at position 0, which for a member after a segmented one would be that one's last
+    segment, not the shared prompt). Cost: O(N) host work (the token ids are read to the host)."""
     ids = batch.input_ids[0].cpu()
     targets = batch.target_mask.cpu()
     starts = batch.cu_seqlens.tolist()
+    restarts = batch.token_trajectory.cpu()[batch.position_ids[0].cpu() == 0]
+    segmented = set(torch.nonzero(torch.bincount(restarts, minlength=batch.num_trajectories) > 1)
+                    .flatten().tolist())
     groups = batch.group_ids.tolist()
     members = [j for j in range(batch.num_trajectories) if batch.target_counts[j] > 0]
     kept: list[Tensor] = []
@@ -301,7 +329,7 @@ def share_prefixes(batch: PackedMicroBatch,
         if following is not None and groups[following] == groups[j]:
             continue
         prefix = _shared_prefix(ids, targets, starts, run)
-        shared = len(run) > 1 and prefix >= min_shared
+        shared = len(run) > 1 and prefix >= min_shared and not segmented.intersection(run)
         shared_any = shared_any or shared
         for rank, member in enumerate(run):
             skip = prefix if shared and rank > 0 else 0

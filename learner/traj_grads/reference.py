@@ -9,6 +9,7 @@ fp32 vector. Memory is `B × (trainable size)`: use it on tiny models only.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,17 +35,23 @@ class ReferenceOpob:
 
 
 def trajectory_loglik(model: nn.Module, trajectory: TrajectoryTokens, aggregation: Aggregation) -> Tensor:
-    """`ℓ = Σ_t c_t log π(y_t | y_<t)` of one unpacked trajectory (0-dim, differentiable)."""
+    """`ℓ = Σ_t c_t log π(y_t | y_<t)` of one unpacked trajectory (0-dim, differentiable): each of its
+    segments a forward of its own (its context alone), the weights `c_t` over all of its loss tokens."""
     device = next(model.parameters()).device
-    ids = torch.as_tensor(list(trajectory.token_ids), device=device).unsqueeze(0)
+    ids = torch.as_tensor(list(trajectory.token_ids), device=device)
     mask = torch.as_tensor(list(trajectory.loss_mask), dtype=torch.bool, device=device)
     if trajectory.token_weights is None:
         weights = aggregation_weights(mask, aggregation)
     else:
         weights = torch.as_tensor(list(trajectory.token_weights), dtype=torch.float32, device=device) * mask
-    logits = model(input_ids=ids, use_cache=False).logits[0].float()
-    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
-    return (logprobs * weights[1:]).sum()  # logits[t] predicts token t+1
+    bounds = [*trajectory.segment_starts, len(trajectory.token_ids)]
+    total = torch.zeros((), device=device)
+    for start, end in itertools.pairwise(bounds):
+        segment = ids[start:end].unsqueeze(0)
+        logits = model(input_ids=segment, use_cache=False).logits[0].float()
+        logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, segment[0, 1:].unsqueeze(-1)).squeeze(-1)
+        total = total + (logprobs * weights[start + 1:end]).sum()  # logits[t] predicts token t+1
+    return total
 
 
 def reference_opob_gradient(

@@ -39,9 +39,9 @@ class TrajectoryLog:
     def write(self, step: int, groups: Sequence[tuple[GroupTicket, list[Trajectory]]], version: int) -> None:
         for ticket, members in groups:
             for trajectory in members:
-                mask = trajectory.loss_mask
-                first = mask.index(True) if any(mask) else len(trajectory.token_ids)
-                self._file.write(json.dumps({
+                segments = trajectory.segments
+                first_segment = self._segment(trajectory, *segments[0])
+                record = {
                     "step": step, "group": ticket.group_index, "prompt_position": ticket.prompt_position,
                     "sample_id": trajectory.task.sample_id, "reward": trajectory.reward,
                     "lag": ticket.lag_of(trajectory, version),
@@ -50,10 +50,21 @@ class TrajectoryLog:
                     "tool_errors": trajectory.task.tool_errors, "truncated": trajectory.task.is_truncated,
                     "tool_parse_errors": trajectory.task.tool_parse_errors,
                     "tool_unknown": trajectory.task.tool_unknown,
-                    "text": self.tokenizer.decode(trajectory.token_ids[first:], skip_special_tokens=False),
-                }) + "\n")
+                    "text": first_segment["text"],  # from the first sampled token (no prompt)
+                }
+                if len(segments) > 1:  # each segment from its first sampled token: no context twice
+                    record["segments"] = [first_segment, *(self._segment(trajectory, *span)
+                                                           for span in segments[1:])]
+                self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
+
+    def _segment(self, trajectory: Trajectory, start: int, stop: int) -> dict[str, object]:
+        """One segment: its context's length and the text from its first sampled token on."""
+        mask = trajectory.loss_mask[start:stop]
+        first = start + (mask.index(True) if any(mask) else len(mask))
+        return {"context_tokens": first - start, "sampled_tokens": sum(mask),
+                "text": self.tokenizer.decode(trajectory.token_ids[first:stop], skip_special_tokens=False)}
 
     def close(self) -> None:
         self._file.close()

@@ -81,6 +81,9 @@ def _raw(**overrides: object) -> dict[str, object]:
         ({"versions": TrajectoryVersions(start=0, end=1, per_token=(-1, 0, 2))}, r"outside \[start, end\]"),
         ({"versions": TrajectoryVersions(start=0, end=1, per_token=(0, 0, 1))}, "it must be -1"),
         ({"versions": TrajectoryVersions(start=2, end=1)}, "versions.end=1 < versions.start=2"),
+        ({"segment_starts": (1,)}, "must begin with 0"),
+        ({"segment_starts": (0, 3)}, "must increase and stay below the 3 tokens"),
+        ({"segment_starts": (0, 2)}, r"segments starting at \[2\] start with a sampled token"),
     ],
 )
 def test_invalid_trajectories_are_rejected_with_the_reason(
@@ -101,3 +104,27 @@ def test_per_token_versions_are_optional_and_task_metadata_travels() -> None:
     assert again.versions.per_token is None
     assert (again.task.tool_calls, again.task.is_truncated, again.task.name) == (2, True, "countdown")
     assert NOT_SAMPLED_VERSION == -1
+
+
+def test_a_new_context_that_does_not_extend_the_last_starts_a_segment_and_one_that_does_is_appended() -> None:
+    """Earlier reasoning stripped (the context no longer extends the tokens so far): a new segment holding
+    the whole new context; a context that extends the current segment's is appended, no token twice."""
+    builder = TrajectoryBuilder([1, 2, 3])
+    builder.add_generation(_turn((10, 11), (4, 4)))  # thinking 10, answer 11
+    builder.add_context([20])  # tool output
+    builder.start_segment([1, 2, 3, 11, 20, 30])  # re-rendered without the thinking token 10
+    assert builder.segment_count == 2 and builder.context_ids() == [1, 2, 3, 11, 20, 30]
+    builder.add_generation(_turn((12,), (5,)))
+    builder.start_segment([1, 2, 3, 11, 20, 30, 12, 40])  # extends the current segment: appended
+    assert builder.segment_count == 2
+    builder.add_generation(_turn((13,), (5,)))
+    trajectory = builder.build("t", "g", reward=1.0)
+    assert trajectory.segment_starts == (0, 6)
+    assert trajectory.token_ids == (1, 2, 3, 10, 11, 20, 1, 2, 3, 11, 20, 30, 12, 40, 13)
+    assert trajectory.segments == [(0, 6), (6, 15)]
+    sampled = [t for t, m in zip(trajectory.token_ids, trajectory.loss_mask, strict=True) if m]
+    assert sampled == [10, 11, 12, 13]  # each sampled token once, where it was sampled
+    again = Trajectory.from_msgpack(trajectory.to_msgpack())
+    assert again == trajectory and Trajectory.from_json_line(trajectory.to_json_line()) == trajectory
+    old = Trajectory.model_validate({k: v for k, v in _raw().items()})  # stored before segments existed
+    assert old.segment_starts == (0,) and old.segments == [(0, 3)]
