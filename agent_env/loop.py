@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from agent_env.context import ContextPolicy, ContextView
 from agent_env.function_calls import ParsedCall, ToolCallParser, resolve_parser, visible_text
 from agent_env.tool_messages import ToolMessageRenderer, tool_message
 from agent_env.turns import (
@@ -89,6 +90,9 @@ class EpisodeSettings:
     """function_call: the parser of the model's calls (agent_env.function_calls.resolve_parser)."""
     max_parallel_calls: int = 4
     """function_call: calls of one turn that run; later ones are answered with an error."""
+    context: ContextPolicy = field(default_factory=ContextPolicy)
+    """What each turn reads (agent_env/context.py): appended (the default), earlier reasoning stripped,
+    the history compacted; a context that stops extending the last starts a new segment."""
 
 
 @dataclass(frozen=True)
@@ -195,14 +199,14 @@ async def _generate_turn(engine: InferenceEngine, tokenizer: PreTrainedTokenizer
     text, finish, is_truncated, token_ids = "", "stop", False, []
     stops = fence.stops if fence is not None else ()
     for part in range(MAX_CONTINUATIONS_PER_TURN):
-        room = settings.max_total_tokens - len(builder.token_ids)
+        room = settings.max_total_tokens - len(builder.context_ids())
         budget = min(settings.max_new_tokens_per_turn - len(token_ids), room)
         if budget <= 0:
             is_truncated, finish = True, "length"
             break
         result = await engine.generate(GenerationRequest(
             request_id=f"{trajectory_id}-t{turn}-{part}",
-            prompt_token_ids=tuple(builder.token_ids),
+            prompt_token_ids=tuple(builder.context_ids()),
             sampling=_sampling(settings, budget, stops, turn * MAX_CONTINUATIONS_PER_TURN + part),
         ))
         if result.finish_reason == "abort":  # not ours: cancelling this coroutine raises instead
@@ -237,6 +241,7 @@ async def run_episode(
     function calling) to a final answer, EOS or a budget."""
     started = time.perf_counter()
     builder = TrajectoryBuilder(prompt_ids, version_at_start=engine.version)
+    view = ContextView(settings.context, tokenizer, prompt_ids) if settings.context.manages else None
     records: list[TurnRecord] = []
     model_texts: list[str] = []
     counts = _Counts()
@@ -262,6 +267,8 @@ async def run_episode(
     async with runner_scope as runner:
         for turn in range(settings.max_turns + 1):
             generated = await _generate_turn(engine, tokenizer, builder, settings, fence, turn, trajectory_id)
+            if view is not None:
+                view.add_turn(generated.token_ids)
             text, finish = generated.text, generated.finish
             is_truncated = is_truncated or generated.is_truncated
             model_texts.append(text)
@@ -291,10 +298,15 @@ async def run_episode(
                                                           finish)
             tool_s += time.perf_counter() - exec_started
             records.append(record)
-            if len(builder.token_ids) + len(observation_ids) >= settings.max_total_tokens:
+            if view is None:
+                context = [*builder.context_ids(), *observation_ids]
+            else:
+                view.add_observation(observation_ids)
+                context = view.next_context()
+            if len(context) >= settings.max_total_tokens:
                 is_truncated = True  # no room left to answer after this observation
                 break
-            builder.add_context(observation_ids)
+            builder.start_segment(context)  # appended where it extends what the model read so far
     response_text = "".join(model_texts)
     reward_info = await asyncio.to_thread(score, response_text)
     trajectory = builder.build(
@@ -304,6 +316,7 @@ async def run_episode(
         task=TaskInfo(turns=len(records), tool_calls=counts.tool_calls, tool_errors=counts.tool_errors,
                       tool_parse_errors=counts.tool_parse_errors, tool_unknown=counts.tool_unknown,
                       void_turns=counts.void_turns, finish_reason=finish, is_truncated=is_truncated,
+                      compactions=view.compactions if view is not None else 0,
                       name=task_name, sample_id=sample_id),
         timings=TrajectoryTimings(generate_s=builder.generate_s, tool_s=tool_s,
                                   total_s=time.perf_counter() - started),

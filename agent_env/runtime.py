@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from agent_env.context import ContextPolicy
 from agent_env.loop import Episode, EpisodeSettings, prompt_tools, run_episode
 from agent_env.prompts import render_messages, render_prompt_ids
 from agent_env.samples import Sample
@@ -56,6 +57,7 @@ def episode_settings(task: TaskConfig, seed: int | None = None, *, for_eval: boo
         tool_format=loop.tool_format,
         tool_parser=loop.tool_parser,
         max_parallel_calls=loop.max_parallel_calls,
+        context=ContextPolicy(**loop.context.model_dump()),
     )
 
 

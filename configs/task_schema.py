@@ -141,13 +141,43 @@ class PromptConfig(StrictModel):
     model's template."""
 
 
+class ContextConfig(StrictModel):
+    """What each turn reads (agent_env/context.py): by default every turn's context is the last one plus the
+    turn and its observation. A context that stops extending the last one starts a new segment of the
+    trajectory, trained as one episode (docs/agent_loop.md)."""
+
+    think: Literal["keep", "strip"] = "keep"
+    """strip: earlier turns' reasoning (`think_open` … `think_close`) is removed before the next turn, as a
+    thinking model's chat template drops it from the history (Qwen3 with observations as user turns);
+    the reasoning still trains where it was sampled."""
+    think_open: str = "<think>"
+    """Where a turn's reasoning begins."""
+    think_close: str = "</think>"
+    """Where it ends."""
+    compaction: Literal["none", "keep_last"] = "none"
+    """keep_last: once the next turn's context would pass `compact_at_tokens`, only the prompt and the last
+    `keep_last_turns` turns (with their observations) stay."""
+    compact_at_tokens: int | None = Field(None, gt=0)
+    """keep_last: the context length that triggers it (required then; below loop.max_total_tokens)."""
+    keep_last_turns: int = Field(2, ge=0)
+    """keep_last: turns kept after the prompt."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ContextConfig:
+        if self.compaction == "keep_last" and self.compact_at_tokens is None:
+            raise ValueError("loop.context.compaction: keep_last needs compact_at_tokens (the context length "
+                             "that triggers it), e.g. compact_at_tokens: 1536")
+        return self
+
+
 class LoopConfig(StrictModel):
     """Budgets and sampling of the multi-turn tool loop during training (docs/agent_loop.md)."""
 
     max_turns: int = Field(5, ge=0)
     """Most tool calls per episode; 0 = the model answers without running code."""
     max_total_tokens: int = Field(2048, gt=0)
-    """Token budget of a whole episode: prompt + every generated turn + every observation."""
+    """Token budget of what the model reads at a turn: prompt + every generated turn + every observation
+    (of the current segment, when `context` manages it: the whole episode otherwise)."""
     max_new_tokens_per_turn: int = Field(1024, gt=0)
     """Most tokens generated in one turn (also capped by what is left of max_total_tokens)."""
     observation_format: Literal["markdown", "simpletir"] = "markdown"
@@ -174,6 +204,17 @@ class LoopConfig(StrictModel):
     max_parallel_calls: int = Field(4, ge=1)
     """function_call only: calls of one turn that run (concurrently); further calls in that turn are
     not run and the model sees an error for each."""
+    context: ContextConfig = Field(default_factory=ContextConfig)
+    """What each turn reads: appended (the default), reasoning stripped, history compacted."""
+
+    @model_validator(mode="after")
+    def _check_context(self) -> LoopConfig:
+        at = self.context.compact_at_tokens
+        if at is not None and at >= self.max_total_tokens:
+            raise ValueError(f"loop.context.compact_at_tokens={at} must be below loop.max_total_tokens="
+                             f"{self.max_total_tokens}: compaction must happen before the budget ends the "
+                             "episode")
+        return self
 
 
 class AnswerConfig(StrictModel):

@@ -69,6 +69,8 @@ class TaskInfo(StrictFrozenModel):
     """Function calls of a tool name the task does not offer."""
     void_turns: int = Field(0, ge=0)
     """Turns with neither a tool call nor a final answer."""
+    compactions: int = Field(0, ge=0)
+    """Times the loop cut the history to its last turns (`loop.context.compaction`)."""
     finish_reason: FinishReason = "stop"
     """finish_reason of the last generation."""
     is_truncated: bool = False
