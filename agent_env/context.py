@@ -8,7 +8,11 @@ is deployed, reads something else:
   chat templates such as Qwen3's drop it when the history is rendered again; the reasoning still trains
   where it was sampled, and the context stops growing by it;
 * `compaction: keep_last` — once the context passes `compact_at_tokens`, only the prompt and the last
-  `keep_last_turns` turns (each with its observation) stay.
+  `keep_last_turns` turns (each with its observation) stay;
+* `compaction: summarize` — at the same point the policy is asked (`summary_request`, appended to the
+  context it has read) to write a summary of its work; the summary is sampled and trained with the
+  episode's reward where it was written, and the next context is the prompt, the summary (after
+  `summary_prefix`) and the last `keep_last_turns` turns.
 
 `ContextView` keeps the episode's pieces — the prompt, then per turn its sampled tokens, its text and
 its observation — and renders the context of the next turn from them. A rendered context that no longer
@@ -25,6 +29,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from configs.task_schema import DEFAULT_SUMMARY_PREFIX, DEFAULT_SUMMARY_REQUEST
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -36,11 +42,17 @@ class ContextPolicy:
     think: Literal["keep", "strip"] = "keep"
     think_open: str = "<think>"
     think_close: str = "</think>"
-    compaction: Literal["none", "keep_last"] = "none"
+    compaction: Literal["none", "keep_last", "summarize"] = "none"
     compact_at_tokens: int | None = None
-    """keep_last: compact once the next turn's context would pass this many tokens."""
+    """Compact once the next turn's context would pass this many tokens."""
     keep_last_turns: int = 2
-    """keep_last: turns kept (with their observations) after the prompt."""
+    """Turns kept (with their observations) after the prompt (and the summary)."""
+    summary_request: str = DEFAULT_SUMMARY_REQUEST
+    """summarize: the text appended to the context to ask for the summary."""
+    summary_prefix: str = DEFAULT_SUMMARY_PREFIX
+    """summarize: the text the summary follows in the next context."""
+    summary_max_tokens: int = 256
+    """summarize: most tokens of one summary."""
 
     @property
     def manages(self) -> bool:
@@ -69,8 +81,10 @@ class ContextView:
                  ) -> None:
         self.policy, self.tokenizer, self.prompt = policy, tokenizer, list(prompt_ids)
         self.turns: list[_Turn] = []
+        self.summary: list[int] = []
+        """summarize: how the latest summary is shown (prefix and text, tokenised), after the prompt."""
         self.compactions = 0
-        """Times the history was cut to its last turns."""
+        """Times the history was cut (to its last turns, or to a summary and its last turns)."""
         self.stripped_turns = 0
         """Turns whose reasoning later turns did not see."""
 
@@ -88,19 +102,36 @@ class ContextView:
     def add_observation(self, observation_ids: list[int]) -> None:
         self.turns[-1].observation = list(observation_ids)
 
-    def next_context(self) -> list[int]:
-        """The tokens the next turn is generated after; compacts first if the policy says so."""
-        context = self._render(self.turns)
-        policy = self.policy
-        if (policy.compaction == "keep_last" and policy.compact_at_tokens is not None
-                and len(context) > policy.compact_at_tokens and len(self.turns) > policy.keep_last_turns):
-            self.turns = self.turns[-policy.keep_last_turns:] if policy.keep_last_turns else []
-            self.compactions += 1
-            context = self._render(self.turns)
-        return context
-
-    def _render(self, turns: list[_Turn]) -> list[int]:
-        context = list(self.prompt)
-        for turn in turns:
+    def render(self) -> list[int]:
+        """The context as it stands: the prompt, the summary if any, then every kept turn."""
+        context = [*self.prompt, *self.summary]
+        for turn in self.turns:
             context += turn.shown + turn.observation
         return context
+
+    def needs_compaction(self) -> bool:
+        """Whether the context passed `compact_at_tokens` with more turns than compaction keeps."""
+        policy = self.policy
+        return (policy.compaction != "none" and policy.compact_at_tokens is not None
+                and len(self.turns) > policy.keep_last_turns
+                and len(self.render()) > policy.compact_at_tokens)
+
+    def summary_request_ids(self) -> list[int]:
+        """summarize: the tokens appended to the current context to ask for the summary."""
+        return self.tokenizer.encode(self.policy.summary_request, add_special_tokens=False)
+
+    def compact(self, summary_text: str | None = None) -> None:
+        """Cut the history to its last `keep_last_turns` turns, after `summary_text` when one was written
+        (the previous summary, if any, is replaced: the new one was written having read it)."""
+        keep = self.policy.keep_last_turns
+        self.turns = self.turns[-keep:] if keep else []
+        if summary_text is not None:
+            shown = f"{self.policy.summary_prefix}\n{summary_text.strip()}\n\n"
+            self.summary = self.tokenizer.encode(shown, add_special_tokens=False)
+        self.compactions += 1
+
+    def next_context(self) -> list[int]:
+        """keep_last: the tokens the next turn is generated after, compacted first when needed."""
+        if self.policy.compaction == "keep_last" and self.needs_compaction():
+            self.compact()
+        return self.render()

@@ -72,7 +72,8 @@ def _record(sample: Sample, index: int, episode: Any) -> dict[str, Any]:
         "reward_error": getattr(info, "error", None),
         "tool_calls": trajectory.task.tool_calls, "tool_errors": trajectory.task.tool_errors,
         "turns": [{"text": t.text, "code": t.code, "observation": t.observation, "tool_status": t.tool_status,
-                   "finish_reason": t.finish_reason, **({"calls": list(t.calls)} if t.calls else {})}
+                   "finish_reason": t.finish_reason, **({"calls": list(t.calls)} if t.calls else {}),
+                   **({"is_summary": True} if t.is_summary else {})}
                   for t in episode.turns],
         "tool_parse_errors": trajectory.task.tool_parse_errors, "tool_unknown": trajectory.task.tool_unknown,
         "is_truncated": trajectory.task.is_truncated, "void_turns": trajectory.task.void_turns,

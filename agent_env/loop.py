@@ -106,6 +106,8 @@ class TurnRecord:
     tool_status: str | None = None
     calls: tuple[dict[str, Any], ...] = ()
     """function_call: each call of the turn (name, arguments, status, what the model saw)."""
+    is_summary: bool = False
+    """A summary the policy wrote of its history (`loop.context.compaction: summarize`), not a tool turn."""
 
 
 @dataclass(frozen=True)
@@ -302,6 +304,9 @@ async def run_episode(
                 context = [*builder.context_ids(), *observation_ids]
             else:
                 view.add_observation(observation_ids)
+                if settings.context.compaction == "summarize" and view.needs_compaction():
+                    records.append(await _write_summary(engine, tokenizer, builder, view, settings, turn,
+                                                        trajectory_id))
                 context = view.next_context()
             if len(context) >= settings.max_total_tokens:
                 is_truncated = True  # no room left to answer after this observation
@@ -313,7 +318,8 @@ async def run_episode(
         trajectory_id,
         group_id,
         reward=float(reward_info.score),
-        task=TaskInfo(turns=len(records), tool_calls=counts.tool_calls, tool_errors=counts.tool_errors,
+        task=TaskInfo(turns=sum(not r.is_summary for r in records), tool_calls=counts.tool_calls,
+                      tool_errors=counts.tool_errors,
                       tool_parse_errors=counts.tool_parse_errors, tool_unknown=counts.tool_unknown,
                       void_turns=counts.void_turns, finish_reason=finish, is_truncated=is_truncated,
                       compactions=view.compactions if view is not None else 0,
@@ -323,6 +329,34 @@ async def run_episode(
     )
     return Episode(trajectory, tuple(records), response_text,
                    find_answer(response_text, settings.answer_pattern), reward_info)
+
+
+async def _write_summary(engine: InferenceEngine, tokenizer: PreTrainedTokenizerBase,
+                         builder: TrajectoryBuilder, view: ContextView, settings: EpisodeSettings, turn: int,
+                         trajectory_id: str) -> TurnRecord:
+    """The policy writes a summary of the context it has read, after the summary request: sampled and
+    trained where it is written (the episode's reward is its reward), then the history is compacted to it.
+    With no room left to write one, the history is cut to its last turns alone."""
+    builder.start_segment([*view.render(), *view.summary_request_ids()])
+    policy = settings.context
+    budget = min(policy.summary_max_tokens, settings.max_total_tokens - len(builder.context_ids()))
+    if budget <= 0:
+        view.compact()
+        return TurnRecord("", "length", is_summary=True)
+    result = await engine.generate(GenerationRequest(
+        request_id=f"{trajectory_id}-t{turn}-summary",
+        prompt_token_ids=tuple(builder.context_ids()),
+        # a seed offset past every tool turn's, so a summary never repeats a turn's random stream
+        sampling=_sampling(settings, budget, (),
+                           (settings.max_turns + 1 + turn) * MAX_CONTINUATIONS_PER_TURN),
+    ))
+    if result.finish_reason == "abort":
+        raise GenerationAborted(engine.name, f"request {result.request_id} of {trajectory_id} "
+                                "was aborted by the engine, not by this episode")
+    builder.add_generation(result)
+    text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    view.compact(text)
+    return TurnRecord(text, result.finish_reason, is_summary=True)
 
 
 async def _run_code(runner: Tool | ToolSession, decision: TurnDecision, settings: EpisodeSettings,

@@ -141,6 +141,11 @@ class PromptConfig(StrictModel):
     model's template."""
 
 
+DEFAULT_SUMMARY_REQUEST = ("\n\nYour context is full. Write a short summary of what you have tried and "
+                           "learned so far; it replaces the history above.\nSummary:")
+DEFAULT_SUMMARY_PREFIX = "Summary of your earlier work:"
+
+
 class ContextConfig(StrictModel):
     """What each turn reads (agent_env/context.py): by default every turn's context is the last one plus the
     turn and its observation. A context that stops extending the last one starts a new segment of the
@@ -154,19 +159,27 @@ class ContextConfig(StrictModel):
     """Where a turn's reasoning begins."""
     think_close: str = "</think>"
     """Where it ends."""
-    compaction: Literal["none", "keep_last"] = "none"
-    """keep_last: once the next turn's context would pass `compact_at_tokens`, only the prompt and the last
-    `keep_last_turns` turns (with their observations) stay."""
+    compaction: Literal["none", "keep_last", "summarize"] = "none"
+    """Once the next turn's context would pass `compact_at_tokens`: keep_last keeps only the prompt and the
+    last `keep_last_turns` turns (with their observations); summarize first asks the policy for a summary
+    of its work (`summary_request`), sampled and trained with the episode's reward, and keeps the prompt,
+    the summary and the last `keep_last_turns` turns."""
     compact_at_tokens: int | None = Field(None, gt=0)
-    """keep_last: the context length that triggers it (required then; below loop.max_total_tokens)."""
+    """The context length that triggers compaction (required with one; below loop.max_total_tokens)."""
     keep_last_turns: int = Field(2, ge=0)
-    """keep_last: turns kept after the prompt."""
+    """Turns kept after the prompt (and the summary)."""
+    summary_request: str = Field(DEFAULT_SUMMARY_REQUEST, min_length=1)
+    """summarize: the text appended to the context to ask for the summary."""
+    summary_prefix: str = DEFAULT_SUMMARY_PREFIX
+    """summarize: the text the summary follows in the next context."""
+    summary_max_tokens: int = Field(256, gt=0)
+    """summarize: most tokens of one summary (also capped by what is left of loop.max_total_tokens)."""
 
     @model_validator(mode="after")
     def _check(self) -> ContextConfig:
-        if self.compaction == "keep_last" and self.compact_at_tokens is None:
-            raise ValueError("loop.context.compaction: keep_last needs compact_at_tokens (the context length "
-                             "that triggers it), e.g. compact_at_tokens: 1536")
+        if self.compaction != "none" and self.compact_at_tokens is None:
+            raise ValueError(f"loop.context.compaction: {self.compaction} needs compact_at_tokens (the "
+                             "context length that triggers it), e.g. compact_at_tokens: 1536")
         return self
 
 

@@ -118,6 +118,15 @@ ROLLOUT_RESPONSE_TOKENS_MEAN = "rollout/response_tokens_mean"
 """Model-generated tokens per trajectory."""
 ROLLOUT_FILTERED_FRAC = "rollout/filtered_frac"
 """Fraction of the step's trajectories left out of the loss (void-turn or truncation filters)."""
+ROLLOUT_SEGMENTS_MEAN = "rollout/segments_mean"
+"""Segments per trajectory: 1 unless `loop.context` stripped reasoning or compacted the history."""
+ROLLOUT_COMPACTIONS_MEAN = "rollout/compactions_mean"
+"""Times per trajectory the history was compacted (`loop.context.compaction`)."""
+STALENESS_SEGMENT_MEAN = "staleness/segment_mean"
+"""Mean lag of the step's segments, each from its first sampled token's version (an episode's later
+segments can be fresher than its first, whose lag is the episode's: staleness/mean)."""
+STALENESS_SEGMENT_MAX = "staleness/segment_max"
+"""Largest segment lag of the step."""
 TOOL_PARSE_ERRORS = "tool/parse_errors"
 """Function calls of this step's trajectories that could not be read (bad JSON, no name, unclosed tag)."""
 TOOL_UNKNOWN = "tool/unknown"
@@ -241,6 +250,10 @@ OPTIONAL = (
     ROLLOUT_VOID_TURN_FRAC,
     ROLLOUT_RESPONSE_TOKENS_MEAN,
     ROLLOUT_FILTERED_FRAC,
+    ROLLOUT_SEGMENTS_MEAN,
+    ROLLOUT_COMPACTIONS_MEAN,
+    STALENESS_SEGMENT_MEAN,
+    STALENESS_SEGMENT_MAX,
     TOOL_PARSE_ERRORS,
     TOOL_UNKNOWN,
     ROLLOUT_SKIPPED_SAMPLES,

@@ -136,11 +136,31 @@ def lag_controller(config: RunConfig) -> LagController | None:
         judge=auto.judge, mismatch_window=auto.mismatch_window))
 
 
-def rollout_metrics(batch: StepInput) -> dict[str, float]:
-    """Episode statistics of a minibatch (rollout/*, tokens/generated)."""
+def segment_lags(trajectory: Trajectory, version: int) -> list[int]:
+    """The lag of each segment that sampled a token: `version` minus the version its first sampled token
+    came from. An episode that compacts its history over many policy versions has fresh later segments
+    beside a stale first one; the episode's lag (`staleness/*`) is its first segment's."""
+    per_token = trajectory.versions.per_token
+    if per_token is None:
+        return [version - trajectory.versions.start] if trajectory.num_sampled_tokens else []
+    lags = []
+    for start, stop in trajectory.segments:
+        sampled = [per_token[t] for t in range(start, stop) if trajectory.loss_mask[t]]
+        if sampled:
+            lags.append(version - min(sampled))
+    return lags
+
+
+def rollout_metrics(batch: StepInput, version: int) -> dict[str, float]:
+    """Episode statistics of a minibatch (rollout/*, tokens/generated, staleness/segment_*)."""
     trajectories = batch.trajectories
     n = max(1, len(trajectories))
+    lags = [lag for trajectory in trajectories for lag in segment_lags(trajectory, version)]
     return {
+        names.ROLLOUT_SEGMENTS_MEAN: sum(len(t.segment_starts) for t in trajectories) / n,
+        names.ROLLOUT_COMPACTIONS_MEAN: sum(t.task.compactions for t in trajectories) / n,
+        names.STALENESS_SEGMENT_MEAN: sum(lags) / max(1, len(lags)),
+        names.STALENESS_SEGMENT_MAX: float(max(lags, default=0)),
         "rollout/turns_mean": sum(t.task.turns for t in trajectories) / n,
         "rollout/tool_calls_mean": sum(t.task.tool_calls for t in trajectories) / n,
         "rollout/tool_errors_mean": sum(t.task.tool_errors for t in trajectories) / n,
@@ -306,7 +326,7 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                 await manager.sync_weights(learner.named_weights(), step + 1)
                 sync_s = time.perf_counter() - tick
                 now, busy, cpu = time.perf_counter(), manager.busy_seconds(), process_cpu_seconds()
-                metrics.update(rollout_metrics(batch))
+                metrics.update(rollout_metrics(batch, step))
                 metrics.update({
                     "time/train": train_s, "time/weight_sync": sync_s, "time/idle_learner": idle_learner,
                     "time/generate": busy - last_busy,

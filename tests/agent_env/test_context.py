@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from agent_env.context import ContextPolicy
-from agent_env.loop import EpisodeSettings, run_episode
+from agent_env.loop import Episode, EpisodeSettings, run_episode
 from agent_env.prompts import render_messages, render_prompt_ids
 from agent_env.samples import Sample
 from rollout.fakes import ScriptedEngine, ScriptedReply
@@ -23,11 +23,16 @@ from tools.fakes import EchoTool
 CODE = "```python\nprint({n})\n```"
 
 
+SUMMARY = "I printed 1 to 4; the answer might be 42."
+
+
 def _turns(tokenizer, texts: list[str]) -> ScriptedEngine:
+    """Replies `texts` in order; a summary request (the context ends with "Summary:") gets SUMMARY."""
     replies = iter(texts)
 
     def script(request: GenerationRequest) -> ScriptedReply:
-        tokens = tokenizer.encode(next(replies), add_special_tokens=False)
+        asks_summary = tokenizer.decode(list(request.prompt_token_ids)).endswith("Summary:")
+        tokens = tokenizer.encode(SUMMARY if asks_summary else next(replies), add_special_tokens=False)
         return ScriptedReply([*tokens, tokenizer.eos_token_id])
 
     return ScriptedEngine(script, eos_token_id=tokenizer.eos_token_id)
@@ -38,8 +43,8 @@ def _prompt(tokenizer) -> list[int]:
     return render_prompt_ids(tokenizer, render_messages("Use python.", "{question}", sample))
 
 
-async def _episode(tokenizer, texts: list[str], policy: ContextPolicy, max_total_tokens: int = 4000
-                   ) -> tuple[Trajectory, list[tuple[GenerationRequest, GenerationResult]]]:
+async def _run(tokenizer, texts: list[str], policy: ContextPolicy, max_total_tokens: int = 4000
+               ) -> tuple[Episode, list[tuple[GenerationRequest, GenerationResult]]]:
     engine = _turns(tokenizer, texts)
     recorder = Recorder(engine)
     settings = EpisodeSettings(max_turns=len(texts), max_total_tokens=max_total_tokens,
@@ -48,7 +53,13 @@ async def _episode(tokenizer, texts: list[str], policy: ContextPolicy, max_total
         episode = await run_episode(engine, tokenizer, _prompt(tokenizer), settings,
                                     lambda text: Score(float("42" in text)), tool=EchoTool(),
                                     trajectory_id="e", group_id="g")
-    return episode.trajectory, recorder.calls
+    return episode, recorder.calls
+
+
+async def _episode(tokenizer, texts: list[str], policy: ContextPolicy, max_total_tokens: int = 4000
+                   ) -> tuple[Trajectory, list[tuple[GenerationRequest, GenerationResult]]]:
+    episode, calls = await _run(tokenizer, texts, policy, max_total_tokens)
+    return episode.trajectory, calls
 
 
 Calls = list[tuple[GenerationRequest, GenerationResult]]
@@ -117,6 +128,29 @@ async def test_compaction_keeps_the_prompt_and_the_last_turns_once_the_context_g
     _check_token_exact(trajectory, calls)
 
 
+async def test_a_summary_the_policy_writes_is_trained_and_replaces_the_history() -> None:
+    """summarize: at the budget the policy reads its context plus the request and writes a summary (sampled,
+    in the segment it was written in); the next context is the prompt, the summary and the last turn. The
+    summary is trained with the episode's reward but not scored: its "42" does not make the episode right."""
+    tokenizer = build_byte_tokenizer()
+    texts = [CODE.format(n=n) for n in range(1, 7)] + ["\\boxed{41}"]
+    prompt_length = len(_prompt(tokenizer))
+    policy = ContextPolicy(compaction="summarize", compact_at_tokens=prompt_length + 150, keep_last_turns=1)
+    episode, calls = await _run(tokenizer, texts, policy)
+    trajectory = episode.trajectory
+    summaries = [record for record in episode.turns if record.is_summary]
+    assert trajectory.task.compactions == len(summaries) >= 1 and trajectory.reward == 0.0
+    assert trajectory.task.turns == len(texts)  # a summary is not a tool turn
+    assert len(trajectory.segment_starts) == trajectory.task.compactions + 1
+    asked = [tokenizer.decode(list(request.prompt_token_ids)) for request, _ in calls]
+    assert sum(text.endswith("Summary:") for text in asked) == len(summaries)
+    after = asked[asked.index(next(text for text in asked if text.endswith("Summary:"))) + 1]
+    assert "Summary of your earlier work:\n" + SUMMARY in after and "print(1)" not in after
+    sampled = zip(trajectory.token_ids, trajectory.loss_mask, strict=True)
+    assert tokenizer.decode([token for token, mask in sampled if mask]).count(SUMMARY) == len(summaries)
+    _check_token_exact(trajectory, calls)
+
+
 def test_strip_removes_complete_reasoning_blocks_only() -> None:
     policy = ContextPolicy(think="strip")
     assert policy.without_reasoning("<think>a\nb</think>\n\nanswer") == "answer"
@@ -147,7 +181,7 @@ async def test_with_the_default_models_tokenizer_every_segment_is_token_exact(
     _check_token_exact(trajectory, calls)
 
 
-@pytest.mark.parametrize("bad", [{"compaction": "keep_last"},
+@pytest.mark.parametrize("bad", [{"compaction": "keep_last"}, {"compaction": "summarize"},
                                  {"compaction": "keep_last", "compact_at_tokens": 5000}])
 def test_a_compaction_without_a_usable_trigger_is_refused(bad: dict) -> None:
     from pydantic import ValidationError
