@@ -564,7 +564,10 @@ def _render(value: Any) -> str:
         value = list(value)
     if isinstance(value, SecretStr):
         value = value.get_secret_value()
-    return yaml.safe_dump(value, default_flow_style=True, width=1 << 20).splitlines()[0]
+    lines = yaml.safe_dump(value, default_flow_style=True, width=1 << 20).splitlines()
+    if isinstance(value, str) and len(lines) > 2:  # a string with line breaks: its JSON form, on one line
+        return json.dumps(value)
+    return lines[0]
 
 
 def default_problem(row: FieldRow, infos: list[FieldInfo]) -> str | None:
