@@ -7,9 +7,11 @@ different calls never mixes and reading stops at EOF, not at a marker the code c
 
 Concurrency: one `execute` at a time per process (sessions serialise calls; one-shot processes
 get a single request). Output is drained by `CappedReader`s while waiting for the report. On the
-wall-clock timeout, on cancellation and after a one-shot request the process group is killed:
-bwrap's PID-1 dies with it (`--die-with-parent`), and with PID 1 the kernel kills every process of
-the sandbox's PID namespace, background ones included. `close()` waits for that to finish.
+wall-clock timeout, on cancellation and after a one-shot request the sandbox's PID 1 is killed
+(through its pidfd) and our child's process group with it; with PID 1 the kernel kills every process
+of the sandbox's PID namespace, background ones included. `close()` hangs up the control socket and
+waits for that to finish. A sandbox cancelled while starting has no pidfd yet, and its PID 1 may not
+have armed `--die-with-parent` yet: hanging up is what ends it then (its runner exits on end-of-file).
 """
 
 from __future__ import annotations
@@ -102,22 +104,41 @@ class SandboxProcess:
         child's descriptors, or a sandbox that dies at once is noticed only at the start-up timeout
         (the control socket would never reach end-of-file)."""
         control.setblocking(False)
+        # The spawn runs as its own task, so that cancelling us cannot cancel it half-way: asyncio
+        # would then kill only bwrap itself, and a sandbox PID 1 that had not yet armed
+        # --die-with-parent would live on, holding the stderr pipe that asyncio waits on for ever.
+        spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            pass_fds=pass_fds,
+            env=env,
+            start_new_session=True,
+        ))
         try:
-            process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE,
-                pass_fds=pass_fds,
-                env=env,
-                start_new_session=True,
-            )
+            process = await asyncio.shield(spawn)
         except OSError as error:
             control.close()
             on_exit()
             if info_fd is not None:
                 os.close(info_fd)
             raise ToolUnavailableError(f"cannot start the sandbox ({argv[0]}): {error}") from error
+        except asyncio.CancelledError:
+            # Hang up first: a runner that starts now reads end-of-file and exits, and its sandbox
+            # with it, whatever happens to bwrap; then take down what was spawned.
+            control.close()
+            after_spawn()
+            try:
+                spawned = await spawn
+            except BaseException:
+                on_exit()
+            else:
+                with contextlib.suppress(BaseException):
+                    await cls(spawned, control, on_exit).close()
+            if info_fd is not None:
+                os.close(info_fd)
+            raise
         after_spawn()
         sandbox = cls(process, control, on_exit)
         try:
@@ -266,12 +287,15 @@ class SandboxProcess:
         if self._process.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._process.pid, signal.SIGKILL)
+        # Hang up before waiting: a sandbox PID 1 that outlived the kill (killed before it armed
+        # --die-with-parent, outside our process group) ends when its runner reads end-of-file, and
+        # only then does the stderr pipe close, which asyncio's wait() needs.
+        self._control.close()
         status = await self._process.wait()
         if self._init_pidfd is not None:
             await _wait_readable(self._init_pidfd, _DEAD_OUTPUT_WAIT_S)
             os.close(self._init_pidfd)
             self._init_pidfd = None
-        self._control.close()
         self._on_exit()
         return status
 

@@ -45,6 +45,8 @@ class WarmPool:
         self._is_failing = False
         """The last start failed (cleared by the next success)."""
         self._is_open = False
+        self._late: list[SandboxProcess] = []
+        """Sandboxes that finished starting after the pool closed: killed, and awaited by the close."""
         self.hits = 0
         """Calls served by a sandbox that was idle when they asked."""
         self.misses = 0
@@ -63,6 +65,8 @@ class WarmPool:
         for task in starting:
             task.cancel()
         await asyncio.gather(*starting, return_exceptions=True)
+        while self._late:
+            await self._late.pop().close()
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -143,6 +147,7 @@ class WarmPool:
     def _deliver(self, sandbox: SandboxProcess) -> None:
         if not self._is_open:
             sandbox.kill_soon()
+            self._late.append(sandbox)
             return
         waiter = self._next_waiter()
         if waiter is not None:

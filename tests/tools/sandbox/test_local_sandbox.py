@@ -133,6 +133,27 @@ async def test_warm_pool_serves_calls_from_started_sandboxes() -> None:
     assert metrics["tools/python_warm_pool_hits"] == 3 and metrics["tools/python_warm_pool_misses"] == 0
 
 
+def _orphaned_sandboxes() -> set[int]:
+    """bwrap processes whose parent is gone (reparented to PID 1): a sandbox nobody will ever close."""
+    return {pid for pid in pids_with_cmdline("bwrap") if pid in child_pids(1)}
+
+
+async def test_closing_the_tool_while_sandboxes_start_neither_hangs_nor_leaves_one_running() -> None:
+    """Closing cancels the warm pool's starts at any point of a sandbox's start-up — before its PID 1
+    has armed --die-with-parent, before it is ready — and each must still end, its stderr pipe closed,
+    or asyncio's wait() for it never returns."""
+    before = _orphaned_sandboxes()
+    settings = SMALL_LIMITS.model_copy(update={"warm_pool_size": 4})
+    for _ in range(15):
+        async with asyncio.timeout(30):
+            async with LocalPythonSandbox(settings):
+                await asyncio.sleep(0)  # close while the pool's four starts are in flight
+    deadline = time.monotonic() + 5.0
+    while _orphaned_sandboxes() - before and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not _orphaned_sandboxes() - before
+
+
 async def test_each_call_gets_a_fresh_interpreter_and_work_dir(sandbox: LocalPythonSandbox) -> None:
     listing = "import os\nprint('x' in globals(), sorted(os.listdir('.')))"
     # A fresh sandbox's work dir is empty, except for mount points of read-only binds when the
