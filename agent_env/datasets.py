@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from agent_env.countdown import generate_countdown_rows
+from agent_env.keychain import generate_keychain_rows
 from agent_env.samples import Sample
 from configs.task_schema import (
     DATA_DIR_PLACEHOLDER,
@@ -254,6 +255,10 @@ def _read_rows(dataset: DatasetConfig, section: str, task_dir: Path, data_dir: P
         return _read_hub(dataset, section), f"hub:{dataset.id}[{dataset.split}]"
     assert isinstance(dataset, GeneratorDataset)
     count = dataset.num_samples if limit is None else min(limit, dataset.num_samples)
+    if dataset.name == "keychain":
+        rows = generate_keychain_rows(count, dataset.seed, min_hops=dataset.min_hops,
+                                      max_hops=dataset.max_hops)
+        return rows, f"generator:keychain(seed={dataset.seed})"
     rows = generate_countdown_rows(
         count, dataset.seed, min_numbers=dataset.min_numbers, max_numbers=dataset.max_numbers,
         max_number=dataset.max_number, min_target=dataset.min_target, max_target=dataset.max_target)

@@ -776,10 +776,14 @@ class RayConfig(StrictModel):
 
 class WarmStartConfig(StrictModel):
     """Cold-start SFT before RL on solver-written tool episodes (run/train/warm_start.py;
-    Countdown tasks)."""
+    Countdown and keychain tasks)."""
 
     enabled: bool = False
     """Run the warm start (cached: a rerun with the same settings reuses the model)."""
+    demonstrations: Literal["countdown", "keychain"] = "countdown"
+    """Whose solver writes them: countdown (equations checked with the tool, or a search program) or
+    keychain (one hop per turn, then the key; written through the task's own loop and tool, so they show
+    its compacted contexts: agent_env/demonstrations.py)."""
     examples: int = Field(256, ge=1)
     """Demonstrations, taken from the end of the training set (RL starts at its beginning)."""
     epochs: int = Field(2, ge=1)
@@ -802,6 +806,13 @@ class WarmStartConfig(StrictModel):
     autocast: Literal["none", "bfloat16", "auto"] = "none"
     """Mixed precision of the SFT over fp32 weights, as learner.autocast ('none' here, the default run
     sets 'auto': bf16 where the hardware does it, 1.5× faster; docs/performance.md compares the two)."""
+
+    @model_validator(mode="after")
+    def _check_solver(self) -> WarmStartConfig:
+        if self.demonstrations != "countdown" and (self.retry_fraction or self.search_fraction):
+            raise ValueError("warm_start.retry_fraction and search_fraction are Countdown's; set them to 0 "
+                             f"with warm_start.demonstrations: {self.demonstrations}")
+        return self
 
 
 class EvalSetConfig(StrictModel):

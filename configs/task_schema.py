@@ -88,12 +88,13 @@ class HubDataset(_DatasetBase):
 
 class GeneratorDataset(_DatasetBase):
     """Instances generated in-process from a seed (no files). Countdown rows have columns
-    `id`, `target` and `nums`, the same as the TinyZero parquet, so both share one field map."""
+    `id`, `target` and `nums`, the same as the TinyZero parquet, so both share one field map; keychain
+    rows (agent_env/keychain.py) have `start`, `hops` and `answer`."""
 
     type: Literal["generator"] = "generator"
     """Dataset source kind."""
-    name: Literal["countdown"]
-    """Which generator."""
+    name: Literal["countdown", "keychain"]
+    """Which generator: countdown (the fields below up to max_target) or keychain (min_hops, max_hops)."""
     num_samples: int = Field(gt=0)
     """How many instances to generate."""
     seed: int = 0
@@ -108,6 +109,10 @@ class GeneratorDataset(_DatasetBase):
     """Smallest target."""
     max_target: int = Field(100, ge=1)
     """Largest target (targets are uniform in [min_target, max_target])."""
+    min_hops: int = Field(6, ge=1)
+    """keychain: fewest hops (tool calls) an instance needs."""
+    max_hops: int = Field(9, ge=1)
+    """keychain: most hops (uniform in [min_hops, max_hops])."""
 
     @model_validator(mode="after")
     def _check_ranges(self) -> GeneratorDataset:
@@ -117,6 +122,14 @@ class GeneratorDataset(_DatasetBase):
         if self.min_target > self.max_target:
             raise ValueError(f"dataset.min_target={self.min_target} > dataset.max_target="
                              f"{self.max_target}; lower min_target or raise max_target")
+        if self.min_hops > self.max_hops:
+            raise ValueError(f"dataset.min_hops={self.min_hops} > dataset.max_hops={self.max_hops}; lower "
+                             "min_hops or raise max_hops")
+        countdown_only = {"min_numbers", "max_numbers", "max_number", "min_target", "max_target"}
+        other = {"countdown": {"min_hops", "max_hops"}, "keychain": countdown_only}[self.name]
+        if stray := sorted(other & self.model_fields_set):
+            raise ValueError(f"dataset: {', '.join(stray)} do not apply to the {self.name} generator; remove "
+                             "them")
         return self
 
 

@@ -8,7 +8,9 @@ cancellation (finish_reason='abort' with the tokens so far), stop_token_ids, use
 max_new_tokens. Stop strings are matched only when it is given `decode` (token ids -> text): then,
 like vLLM with include_stop_str_in_output, a reply stops at the first token whose text completes a
 stop string, keeps that text, and reports the string as its stop_reason. It records every request
-and every weight load for assertions.
+and every weight load for assertions. Besides tests, it is the voice of a scripted solver writing
+warm-start demonstrations through the real loop (agent_env/demonstrations.py) — a policy, not an engine
+that is claimed to work.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ Prompts are rendered with the task's template and chat template, as in rollouts.
 from the *end* of the training set (the RL run starts from the beginning), so RL does not begin on
 prompts whose answers were shown.
 
+Keychain tasks (agent_env/keychain.py; `warm_start.demonstrations: keychain`): a solver that follows
+the chain — one hop per turn, then the boxed key — plays the policy through the task's own loop and
+tool (agent_env/demonstrations.py), so each demonstration shows the contexts the loop will really give
+the model, compacted history included; each of its segments is one supervised sequence.
+
 The result is cached as an HF model directory keyed by the model, task and settings, written beside
 and renamed into place; a resumed run reuses it (the checkpoint restores the learner anyway).
 """
@@ -35,7 +40,9 @@ from typing import Any
 
 import torch
 
+from agent_env import keychain
 from agent_env.countdown import score_expression, solve
+from agent_env.demonstrations import SolverPolicy, scripted_demonstrations
 from agent_env.prompts import render_messages, render_prompt_ids
 from agent_env.samples import Sample
 from agent_env.turns import format_observation
@@ -169,6 +176,20 @@ def demonstrations(task: TaskConfig, samples: list[Sample], tokenizer: Any, coun
     return out
 
 
+def _keychain_fields(sample: Sample) -> tuple[int, int]:
+    try:
+        return int(sample.fields["start"]), int(sample.fields["hops"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"warm_start.demonstrations: keychain needs samples with fields start and hops; "
+                         f"sample {sample.sample_id!r} has {sorted(sample.fields)}") from None
+
+
+KEYCHAIN_SOLVER = SolverPolicy(
+    turns=lambda sample: keychain.solver_turns(*_keychain_fields(sample)),
+    summary=lambda sample, done: keychain.solver_summary(*_keychain_fields(sample), done))
+"""Follows the chain: one hop per turn, the key boxed after the last; its summary says where it is."""
+
+
 def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -213,12 +234,15 @@ def warm_start_dir(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Path
                 # cached before they existed stay valid
                 "warm_start": config.warm_start.model_dump(mode="json", exclude={"autocast"} | {
                     name for name in ("retry_fraction", "search_fraction")
-                    if not getattr(config.warm_start, name)}),
+                    if not getattr(config.warm_start, name)} | (
+                    {"demonstrations"} if config.warm_start.demonstrations == "countdown" else set())),
                 "seed": config.seed, "recipe": WARM_START_RECIPE}
     if _autocast(config) is not None:  # absent otherwise: fp32 caches from before it stay valid
         settings["autocast"] = "bfloat16"
     if config.warm_start.search_fraction:  # a reworded program is another model
         settings["search_program"] = SEARCH + SEARCH_PROGRAM
+    if config.warm_start.demonstrations == "keychain":  # so are reworded keychain turns
+        settings["solver"] = [keychain.HOP_TURN, keychain.FINAL_TURN, keychain.SUMMARY]
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir / "warm_start" / key
 
@@ -249,8 +273,12 @@ def run_warm_start(config: RunConfig, task: TaskConfig, task_path: Path, cache_d
     report(f"[warm start] writing {settings.examples} solver demonstrations (once; cached in {out_dir})")
     tokenizer = load_tokenizer(config.model.path, cache_dir)
     samples = load_samples(task, which="train", task_dir=task_path.parent).samples
-    examples = demonstrations(task, samples, tokenizer, settings.examples, config.seed,
-                              settings.retry_fraction, settings.search_fraction)
+    if settings.demonstrations == "keychain":
+        examples = scripted_demonstrations(task, list(reversed(samples)), tokenizer, KEYCHAIN_SOLVER,
+                                           settings.examples)
+    else:
+        examples = demonstrations(task, samples, tokenizer, settings.examples, config.seed,
+                                  settings.retry_fraction, settings.search_fraction)
     if should_stop():
         raise WarmStartStopped("stopped before training")
     if not examples:

@@ -177,3 +177,32 @@ def test_the_packed_sft_step_is_the_padded_hf_labels_loss_and_gradient() -> None
     for (name, want), got in zip(padded_model.named_parameters(), packed_model.parameters(), strict=True):
         scale = float(want.grad.abs().max())
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6 * scale, msg=name)
+
+
+@needs_bwrap
+def test_a_keychain_warm_start_trains_on_every_segment_of_the_solvers_episodes(tmp_path: Path,
+                                                                              tiny_model_dir: Path) -> None:
+    """The keychain solver's episodes, run through the task's own loop and sandbox, compacted past the
+    budget: each segment is a supervised sequence, the SFT lowers its loss, and the model is cached apart
+    from a Countdown warm start's."""
+    task, path = load_task(ROOT / "configs" / "tasks" / "keychain.yaml",  # a byte tokenizer: longer texts
+                           ["dataset.num_samples=8", "loop.max_total_tokens=4000",
+                            "loop.context.compact_at_tokens=700", "loop.max_new_tokens_per_turn=200"])
+    warm_start = {"enabled": True, "demonstrations": "keychain", "examples": 3, "epochs": 3, "lr": 3e-3,
+                  "batch_size": 4}
+    config = RunConfig.model_validate({"model": {"path": str(tiny_model_dir)}, "task": str(path),
+                                       "warm_start": warm_start})
+    out = run_warm_start(config, task, path, tmp_path)
+    report = json.loads((out / "warm_start.json").read_text())
+    assert report["examples"] > 3  # three episodes, more segments
+    assert report["last_loss"] < report["first_loss"]
+    countdown = RunConfig.model_validate({"model": {"path": str(tiny_model_dir)}, "task": str(path),
+                                          "warm_start": {**warm_start, "demonstrations": "countdown"}})
+    assert warm_start_dir(countdown, task, tmp_path) != out
+
+
+def test_countdown_only_warm_start_settings_are_refused_for_the_keychain_solver() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="retry_fraction and search_fraction are Countdown's"):
+        RunConfig.model_validate({"warm_start": {"demonstrations": "keychain", "search_fraction": 0.25}})
