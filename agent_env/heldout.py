@@ -250,7 +250,10 @@ class HeldoutEvaluator:
         return self.out_dir / f"version_{version:06d}.jsonl"
 
     def meta(self, version: int) -> dict[str, Any]:
-        settings = {key: value for key, value in vars(self.settings).items() if key != "seed"}
+        settings = {key: value for key, value in vars(self.settings).items()
+                    if key not in ("seed", "context")}
+        if self.settings.context.manages:  # absent when appended: files written before it existed match
+            settings["context"] = dataclasses.asdict(self.settings.context)
         return {"kind": "heldout", "version": version, "k": self.k, "task": self.task_name,
                 "prompts": [s.sample_id for s in self.heldout.samples], "settings": settings}
 

@@ -178,3 +178,17 @@ async def test_an_evaluation_made_with_other_settings_is_set_aside_and_made_agai
     assert "evaluating version 0 again" in caplog.text and "max_total_tokens" in caplog.text
     aside = [p.name for p in (tmp_path / "eval").iterdir() if "other-settings" in p.name]
     assert len(aside) == 1 and evaluator.stored(0) is not None
+
+
+def test_an_evaluation_files_meta_names_a_managed_context_and_only_then(tmp_path: Path) -> None:
+    """A loop that edits the context (loop.context) evaluates another policy-in-context: its files say so
+    (and are JSON), while an appending loop's meta stays what it was before contexts could be managed."""
+    from agent_env.context import ContextPolicy
+
+    engine = ScriptedEngine(eos_token_id=build_byte_tokenizer().eos_token_id)
+    evaluator = _evaluator(tmp_path, engine, [_sample(10)])
+    assert "context" not in evaluator.meta(0)["settings"]
+    evaluator.settings = EpisodeSettings(**{**vars(evaluator.settings), "context": ContextPolicy(
+        compaction="keep_last", compact_at_tokens=48)})
+    meta = json.loads(json.dumps(evaluator.meta(0)))
+    assert meta["settings"]["context"]["compaction"] == "keep_last"
