@@ -1,14 +1,14 @@
 """Tasks from YAML, datasets, rewards, the multi-turn agent loop (SimpleTIR's code fence, or function
 calling with several tools), running a task's episodes and groups for the rollout manager (`runtime`)
-and evaluation.
+and evaluation (`evaluation`).
 
 May import: `vcpo`, `rollout`, `tools`, `configs` (the task schema: a task component takes its own
 validated section).
 """
 
 from agent_env.datasets import DatasetError, DatasetLoad, load_samples
-from agent_env.eval_metrics import majority_is_correct, pass_at_k, summarize
-from agent_env.evaluate import EvalFileError, evaluate
+from agent_env.evaluation.evaluate import EvalFileError, evaluate
+from agent_env.evaluation.metrics import majority_is_correct, pass_at_k, summarize
 from agent_env.loop import Episode, EpisodeSettings, TurnRecord, run_episode
 from agent_env.prompts import PromptError, render_messages, render_prompt_ids
 from agent_env.rewards import RewardFn, RewardResult, build_reward, extract_answer

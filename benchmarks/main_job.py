@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent_env.heldout import HeldoutResult, paired_change, result_from_file
+from agent_env.evaluation.heldout import HeldoutResult, paired_change, result_from_file
 from benchmarks.schema import MainJobBenchConfig
 from run.observability.trend import reward_trend
 from run.train.warm_start import is_search_program

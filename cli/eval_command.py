@@ -1,5 +1,5 @@
 """`vcpo eval TASK.yaml`: wire a task, a model and an engine (any backend, or an OpenAI-compatible
-URL) into `agent_env.evaluate`, with a progress bar showing live accuracy and a summary table.
+URL) into `agent_env.evaluation.evaluate`, with a progress bar showing live accuracy and a summary table.
 
 With `--backend openai`, `--model` is only where the tokenizer comes from (prompts are rendered
 and answers read with it) and `--served-model` is the name sent to the server; without it the
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent_env.evaluate import EvalFileError, evaluate
+from agent_env.evaluation.evaluate import EvalFileError, evaluate
 from agent_env.runtime import episode_settings
 from run.train.wiring import engine_settings, load_task, task_runtime
 

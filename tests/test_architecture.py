@@ -93,7 +93,8 @@ def test_the_rules_read_from_the_docstrings_are_the_layering() -> None:
     assert layering == ALLOWED
     assert UNITS["learner"]["forward"] == set() and UNITS["learner"]["traj_grads"] == {"forward"}
     assert UNITS["run"]["observability"] == set() and UNITS["run"]["launch"] == {"train", "observability"}
-    assert set(UNITS) == {"benchmarks", "learner", "run", "rollout", "tools", "vcpo"}
+    assert UNITS["agent_env"]["evaluation"] == {"."} and UNITS["agent_env"]["."] == set()
+    assert set(UNITS) == {"agent_env", "benchmarks", "learner", "run", "rollout", "tools", "vcpo"}
 
 
 def _imports(path: Path) -> set[str]:

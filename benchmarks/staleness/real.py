@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent_env.heldout import paired_change, result_from_file
+from agent_env.evaluation.heldout import paired_change, result_from_file
 from benchmarks.staleness.bench import (
     CURVE_KEYS,
     _sorted,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_env.datasets import load_samples
-from agent_env.heldout import HeldoutEvaluator, select_heldout
+from agent_env.evaluation.heldout import HeldoutEvaluator, select_heldout
 from agent_env.loop import EpisodeSettings
 from agent_env.runtime import TaskRuntime, episode_settings
 from configs.loader import ConfigError

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent_env.heldout import HeldoutChange, HeldoutResult
+from agent_env.evaluation.heldout import HeldoutChange, HeldoutResult
 from configs.loader import ConfigError
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig

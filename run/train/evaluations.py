@@ -9,7 +9,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from agent_env.heldout import HeldoutChange, HeldoutEvaluator, HeldoutResult, falling_warning, paired_change
+from agent_env.evaluation.heldout import (
+    HeldoutChange,
+    HeldoutEvaluator,
+    HeldoutResult,
+    falling_warning,
+    paired_change,
+)
 from run.observability import metric_names as names
 from run.observability.live_activity import LiveActivity
 from run.observability.progress import ProgressLine

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from agent_env.heldout import HeldoutChange, HeldoutEvaluator, HeldoutResult
+from agent_env.evaluation.heldout import HeldoutChange, HeldoutEvaluator, HeldoutResult
 from agent_env.runtime import RolloutRuntime
 from configs.schema import RunConfig
 from configs.task_schema import TaskConfig

@@ -1,5 +1,6 @@
-"""Held-out evaluation (agent_env/heldout.py): the intervals by hand, the choice of prompts that are not
-training prompts, and the evaluator on the scripted engine — one file per version, resumed, discarded."""
+"""Held-out evaluation (agent_env/evaluation/heldout.py): the intervals by hand, the choice of prompts
+that are not training prompts, and the evaluator on the scripted engine — one file per version, resumed,
+discarded."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from agent_env.heldout import (
+from agent_env.evaluation.heldout import (
     HeldoutEvaluator,
     HeldoutResult,
     falling_warning,
@@ -145,7 +146,7 @@ async def test_evaluator_with_k_samples_uses_a_t_interval_over_prompts(tmp_path:
 def test_an_evaluation_file_written_twice_says_what_it_holds() -> None:
     """Records of one version from two processes: the error counts the samples it holds and the repeats
     (it once read 'missing -44 samples')."""
-    from agent_env.heldout import result_from_records
+    from agent_env.evaluation.heldout import result_from_records
 
     samples = [Sample(sample_id=f"p{i}", fields={}, answer=None) for i in range(3)]
     once = [{"sample_id": f"p{i}", "index": 0, "is_correct": i == 0, "extracted": "1", "is_truncated": False,
@@ -172,7 +173,7 @@ async def test_an_evaluation_made_with_other_settings_is_set_aside_and_made_agai
         evaluator.path(0).write_text(other)
         assert evaluator.stored(0) is None  # not this evaluation's: nothing to reuse
         before = len(engine.requests)
-        with caplog.at_level("WARNING", logger="agent_env.heldout"):
+        with caplog.at_level("WARNING", logger="agent_env.evaluation.heldout"):
             again = await evaluator.run(0)
     assert len(engine.requests) - before == 3 and again.success == first.success
     assert "evaluating version 0 again" in caplog.text and "max_total_tokens" in caplog.text

@@ -4,7 +4,7 @@ live engine at a fixed policy version, with an interval for the success rate and
 The set comes from the task's `heldout_dataset`; any prompt whose rendered messages equal a training
 prompt's is dropped (counted), and the first `size` of the rest are kept, so "held out" is checked,
 not assumed. Each evaluation runs every (prompt, j < k) through the agent loop with its own sampling
-settings and writes one resumable JSONL file per policy version (`agent_env.evaluate`): an
+settings and writes one resumable JSONL file per policy version (`agent_env.evaluation.evaluate`): an
 interrupted evaluation continues where it stopped, and the summary is computed from the file.
 
 Intervals (95%): for k = 1 the Wilson score interval of the success rate over prompts; for k > 1 a
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent_env.evaluate import EvalFileError, evaluate, read_finished, summary_of
+from agent_env.evaluation.evaluate import EvalFileError, evaluate, read_finished, summary_of
 from agent_env.loop import EpisodeSettings
 from agent_env.prompts import render_messages
 from agent_env.samples import Sample
@@ -133,7 +133,7 @@ class HeldoutResult:
     per_prompt: dict[str, float]
     """sample_id → the prompt's mean correctness over its k samples."""
     summary: dict[str, Any]
-    """`agent_env.evaluate.summary_of` of the file (tool calls, truncation, no answer, tokens)."""
+    """`agent_env.evaluation.evaluate.summary_of` of the file (tool calls, truncation, no answer, tokens)."""
     seconds: float
     label: str = "held-out"
     """Which set: 'held-out', or an eval set's name (trainer.eval_sets)."""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent_env.eval_metrics import summarize
+from agent_env.evaluation.metrics import summarize
 from agent_env.loop import EpisodeSettings, prompt_tools, run_episode
 from agent_env.prompts import render_messages, render_prompt_ids
 from agent_env.samples import Sample

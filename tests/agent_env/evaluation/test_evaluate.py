@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import yaml
 
-from agent_env.eval_metrics import majority_is_correct, pass_at_k, summarize
+from agent_env.evaluation.metrics import majority_is_correct, pass_at_k, summarize
 from tests.agent_env import memorised
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_pass_at_k_is_the_unbiased_estimator() -> None:
@@ -47,7 +47,7 @@ async def test_a_failed_sample_stops_the_samples_in_flight(tmp_path: Path) -> No
     other samples in flight are cancelled, not leaving them running against a closing file."""
     import asyncio
 
-    from agent_env.evaluate import evaluate
+    from agent_env.evaluation.evaluate import evaluate
     from agent_env.loop import EpisodeSettings
     from agent_env.samples import Sample
     from rollout.errors import InvalidRequest
