@@ -120,6 +120,8 @@ def observation_body(result: ToolResult, max_chars: int) -> str:
             return _truncate(detail, max_chars)
         head = _truncate(result.stdout.rstrip("\n"), max_chars // 2)
         return head + "\n" + _truncate(detail, max_chars // 2)
+    if result.is_session_reset and result.message:  # answered, but on a fresh session: say so
+        return _truncate(result.message + "\n" + result.stdout, max_chars)
     return _truncate(result.stdout, max_chars)
 
 

@@ -8,10 +8,15 @@ share that one connection; `session()` opens a connection of its own for one epi
 an MCP session (`Mcp-Session-Id`) of its own — where a stateful server keeps per-episode state.
 
 Failures: a call that fails on the server's side (`isError`, a JSON-RPC error) is data, an `error`
-result the model sees. A call whose connection broke or that got no answer within `call_timeout_s`
-is retried up to `max_retries` times, each on a new connection; after that it fails with an error the
-model sees, the episode and the run go on, and the next call reconnects. Only a server that cannot be
-reached when the tool starts raises (`ToolUnavailableError`).
+result the model sees. A call that gets no answer within `call_timeout_s` is cancelled alone — the SDK
+sends the server a cancel notification — and the connection, the other calls in flight on it and the
+server's state stay. A connection that breaks is replaced on the next call. A call that failed after it
+was sent may have run, so it is retried only when repeating it is safe: the server marks the tool
+read-only or idempotent (MCP's tool annotations) or the spec's `idempotent` names it; a call that never
+reached the server (no connection) is always retried, up to `max_retries` times. Then it fails with an
+error the model sees, and the episode and the run go on. When an episode's own session had to be
+replaced, its next result says that the server's state of its earlier calls is gone. Only a server that
+cannot be reached when the tool starts raises (`ToolUnavailableError`).
 
 Each connection lives in a task of its own: the SDK's transports are anyio task groups, which must be
 entered and left by one task, while the calls come from many episodes' tasks.
@@ -39,9 +44,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_TRANSIENT_CODES = frozenset({-32000, -32001})
-"""JSON-RPC codes the SDK gives a closed connection and a request timeout: retried on a new connection.
-Any other error code is the server's answer, data for the model."""
+_CONNECTION_CLOSED, _REQUEST_TIMEOUT = -32000, -32001
+"""JSON-RPC codes the SDK gives a closed connection and a request timeout; any other error code is the
+server's answer, data for the model."""
+
+_RESTARTED_NOTE = ("The tool server's session was restarted (the connection broke): state from this "
+                   "episode's earlier calls is gone.")
 
 
 class _Connection:
@@ -127,6 +135,8 @@ class _Link:
         self.settings = settings
         self._connection: _Connection | None = None
         self._lock = asyncio.Lock()
+        self.opened = 0
+        """Connections opened so far: a call that sees this grow ran on a new server session."""
 
     async def get(self) -> _Connection:
         async with self._lock:
@@ -134,6 +144,7 @@ class _Link:
                 if self._connection is not None:
                     await self._connection.close()
                 self._connection = await _Connection.open(self.settings)
+                self.opened += 1
             return self._connection
 
     async def drop(self, connection: _Connection) -> None:
@@ -161,6 +172,7 @@ class MCPTool:
         self._shared = _Link(settings)
         self._specs: tuple[FunctionSpec, ...] = ()
         self._remote: dict[str, str] = {}
+        self._repeatable: set[str] = set()
         self._slots = asyncio.Semaphore(settings.max_concurrency)
 
     async def __aenter__(self) -> MCPTool:
@@ -172,16 +184,17 @@ class MCPTool:
             await self._shared.close()
             raise ToolUnavailableError(
                 f"MCP server {settings.where}: cannot connect and list its tools within "
-                f"{settings.connect_timeout_s:g} s ({type(exc).__name__}: {exc}); check the tool's "
+                f"{settings.connect_timeout_s:g} s ({_describe(exc)}); check the tool's "
                 "`command`/`args` or `url`, and that the server runs") from None
         names = [tool.name for tool in listed]
-        missing = [name for name in settings.tools or () if name not in names]
-        if missing:
-            await self._shared.close()
-            raise ToolConfigError(
-                f"MCP server {settings.where} does not list tool(s) {', '.join(map(repr, missing))}; it "
-                f"lists: {', '.join(names) or 'no tools'}. Fix the tool spec's `tools:` (or remove it to "
-                "offer all of them)")
+        for field, wanted in (("tools", settings.tools or ()), ("idempotent", settings.idempotent)):
+            missing = [name for name in wanted if name not in names]
+            if missing:
+                await self._shared.close()
+                raise ToolConfigError(
+                    f"MCP server {settings.where} does not list tool(s) {', '.join(map(repr, missing))}; it "
+                    f"lists: {', '.join(names) or 'no tools'}. Fix the tool spec's `{field}:`"
+                    + (" (or remove it to offer all of them)" if field == "tools" else ""))
         chosen = [tool for tool in listed if settings.tools is None or tool.name in settings.tools]
         try:
             self._specs = tuple(FunctionSpec(name=settings.prefix + tool.name, description=tool.description
@@ -191,6 +204,8 @@ class MCPTool:
             raise ToolConfigError(f"MCP server {settings.where} lists a tool vcpo cannot offer ({exc}); "
                                   "name the tools to offer in the spec's `tools:`") from None
         self._remote = {settings.prefix + tool.name: tool.name for tool in chosen}
+        self._repeatable = {tool.name for tool in chosen if tool.name in settings.idempotent
+                            or _marked_repeatable(tool)}
         return self
 
     async def __aexit__(
@@ -211,36 +226,47 @@ class MCPTool:
 
     async def _call(self, link: _Link, name: str, arguments: Mapping[str, Any]) -> ToolResult:
         settings, remote = self.settings, self._remote[name]
-        started, failure = time.perf_counter(), ""
+        started, failure, attempts = time.perf_counter(), "", 0
         async with self._slots:
             for attempt in range(settings.max_retries + 1):
                 if attempt:
                     await asyncio.sleep(settings.retry_backoff_s * 2 ** (attempt - 1))
-                connection: _Connection | None = None
+                attempts += 1
                 try:
                     connection = await link.get()
+                except Exception as exc:  # nothing was sent: always safe to try again
+                    failure = f"cannot connect: {_describe(exc)}"
+                    log.warning("MCP server %s: %s (attempt %d of %d)", settings.where, failure, attempts,
+                                settings.max_retries + 1)
+                    continue
+                try:
                     session = connection.session
                     if session is None:
                         raise ConnectionError("the connection closed")
                     call = session.call_tool(remote, dict(arguments),
                                              read_timeout_seconds=settings.call_timeout_s)
-                    result = await asyncio.wait_for(call, settings.call_timeout_s + 1.0)
+                    # the SDK times the call out (and cancels it on the server); this is a backstop
+                    result = await asyncio.wait_for(call, settings.call_timeout_s + 5.0)
                     return _result(result, time.perf_counter() - started)
                 except Exception as exc:
                     code = getattr(exc, "code", None)
-                    if isinstance(code, int) and code not in _TRANSIENT_CODES:  # the server's own answer
+                    if isinstance(code, int) and code not in (_CONNECTION_CLOSED, _REQUEST_TIMEOUT):
                         return ToolResult(status="error", message=f"{remote}: {exc}",
                                           wall_time_s=time.perf_counter() - started)
-                    failure = (f"no answer within {settings.call_timeout_s:g} s"
-                               if isinstance(exc, TimeoutError) or code == -32001
-                               else f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+                    timed_out = isinstance(exc, TimeoutError) or code == _REQUEST_TIMEOUT
+                    failure = (f"no answer within {settings.call_timeout_s:g} s" if timed_out
+                               else f"the connection broke: {_describe(exc)}")
                     log.warning("MCP server %s: call %r failed (attempt %d of %d): %s", settings.where,
-                                remote, attempt + 1, settings.max_retries + 1, failure)
-                    if connection is not None:
+                                remote, attempts, settings.max_retries + 1, failure)
+                    if not timed_out or not connection.is_open:  # a timed-out call was cancelled alone
                         await link.drop(connection)
+                    if remote not in self._repeatable:
+                        return ToolResult(status="error", message=(
+                            f"the tool server did not answer {remote!r} ({failure}); the call may have run, "
+                            "so it was not repeated"), wall_time_s=time.perf_counter() - started)
         return ToolResult(status="error", message=(
-            f"the tool server did not answer {remote!r} ({failure}) after {settings.max_retries + 1} "
-            "attempts"), wall_time_s=time.perf_counter() - started)
+            f"the tool server did not answer {remote!r} ({failure}) after {attempts} attempts"),
+            wall_time_s=time.perf_counter() - started)
 
 
 class MCPSession:
@@ -259,7 +285,13 @@ class MCPSession:
         await self._link.close()
 
     async def call_function(self, name: str, arguments: Mapping[str, Any]) -> ToolResult:
-        return await self._tool._call(self._link, name, arguments)
+        """Call `name` on this episode's connection; a result on a replaced one says the state is gone."""
+        before = self._link.opened
+        result = await self._tool._call(self._link, name, arguments)
+        if before and self._link.opened != before:
+            return result.model_copy(update={
+                "is_session_reset": True, "message": f"{result.message} {_RESTARTED_NOTE}".strip()})
+        return result
 
 
 async def _list_tools(connection: _Connection) -> list[Any]:
@@ -278,6 +310,22 @@ async def _list_tools(connection: _Connection) -> list[Any]:
         if not cursor:
             break
     return tools
+
+
+def _marked_repeatable(tool: Any) -> bool:
+    """The server's annotations say a second call does no harm: read-only, or idempotent."""
+    annotations = getattr(tool, "annotations", None)
+    return bool(annotations and (annotations.read_only_hint or annotations.idempotent_hint))
+
+
+def _describe(exc: BaseException) -> str:
+    """What failed, for the model and the logs: the innermost errors of an exception group (the SDK's
+    transports are task groups, whose own message "unhandled errors in a TaskGroup" says nothing)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(dict.fromkeys(_describe(inner) for inner in exc.exceptions))
+    if exc.__cause__ is not None and not str(exc):
+        return _describe(exc.__cause__)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _result(result: Any, wall_time_s: float) -> ToolResult:

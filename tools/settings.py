@@ -171,10 +171,15 @@ class MCPSettings(_Settings):
     connect_timeout_s: float = Field(default=20.0, gt=0)
     """Seconds to start or reach the server and finish the MCP handshake."""
     call_timeout_s: float = Field(default=30.0, gt=0)
-    """Seconds one tool call may take before it counts as failed (and is retried on a new connection)."""
+    """Seconds one tool call may take; then it is cancelled on the server (that call alone: the connection
+    and the other calls in flight stay) and fails, or is retried if repeating it is safe."""
     max_retries: int = Field(default=2, ge=0, le=10)
-    """Retries of a call whose connection broke or timed out, each on a new connection; then the call
-    fails with an error the model sees, and the next call reconnects."""
+    """Retries of a failed call: one that never reached the server (no connection) always; one that timed
+    out or whose connection broke only when repeating it is safe (the server marks the tool read-only or
+    idempotent, or `idempotent` names it). Then the call fails with an error the model sees."""
+    idempotent: tuple[str, ...] = ()
+    """Tools (the server's names) safe to call twice, beyond those the server's annotations mark
+    read-only or idempotent: a call of one that timed out or lost its connection is retried."""
     retry_backoff_s: float = Field(default=0.5, ge=0)
     """Wait before the first retry; doubles on each further one."""
     max_concurrency: int = Field(default=16, ge=1)

@@ -155,14 +155,16 @@ async def task_runtime(
     reward = build_reward(task.reward, task.answer)
     if task.prompt.chat_template is not None:  # the run's template: prompts, tool messages, the export
         tokenizer.chat_template = chat_template_path(task, task_path).read_text(encoding="utf-8")
-    engine = await start_engine(settings, model_dir, tokenizer)
-    try:
-        async with contextlib.AsyncExitStack() as stack:
-            tool = await _enter_tools(stack, task, task_path, tokenizer)
+    async with contextlib.AsyncExitStack() as stack:
+        # the tools first: a tool that cannot start (a name its MCP server does not list) is refused in
+        # seconds, not after the engine has loaded the model and compiled
+        tool = await _enter_tools(stack, task, task_path, tokenizer)
+        engine = await start_engine(settings, model_dir, tokenizer)
+        try:
             yield TaskRuntime(task, loaded.samples, reward, tokenizer, engine, tool,
                               skipped_samples=loaded.skipped)
-    finally:
-        await engine.close()
+        finally:
+            await engine.close()
 
 
 @dataclass(frozen=True)

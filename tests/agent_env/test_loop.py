@@ -175,6 +175,8 @@ def test_observations_show_stdout_the_exception_line_or_the_limit() -> None:
     assert observation_body(timeout, 512) == "Timed out after 2 s"
     assert observation_body(ToolResult(status="ok", stdout="a" * 600), 512).endswith("…[truncated]")
     assert format_observation("4", "simpletir") == "\nCode execution result: 4\n"
+    fresh = ToolResult(status="ok", stdout="y", is_session_reset=True, message="The session was restarted.")
+    assert observation_body(fresh, 512) == "The session was restarted.\ny"  # answered, on a new session
 
 
 async def test_only_a_stop_string_at_a_bare_fence_continues_the_turn() -> None:

@@ -1,8 +1,9 @@
 """A real MCP server (the official SDK's `MCPServer`) for the `mcp` tool's tests, on stdio or HTTP.
 
-Tools: `add` (typed arguments), `note` (state kept per MCP session), `sleep` (a call that hangs past a
-timeout), `crash` (the server process dies mid-call). Run: `python mcp_test_server.py` (stdio) or
-`python mcp_test_server.py http PORT` (streamable HTTP on 127.0.0.1:PORT/mcp). Test support only.
+Tools: `add` (typed arguments; annotated read-only, so safe to repeat), `note` (state kept per MCP
+session), `sleep` (a call that hangs past a timeout), `crash` (the server process dies mid-call). Run:
+`python mcp_test_server.py` (stdio) or `python mcp_test_server.py http PORT` (streamable HTTP on
+127.0.0.1:PORT/mcp). Test support only.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import os
 import sys
 
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.types import ToolAnnotations
 
 app = MCPServer("vcpo-test")
 _notes: dict[str, list[str]] = {}
 
 
-@app.tool()
+@app.tool(annotations=ToolAnnotations(read_only_hint=True))
 def add(a: int, b: int) -> int:
     """Add two integers."""
     return a + b

@@ -111,22 +111,57 @@ async def test_each_episode_session_has_its_own_server_state(spec: dict[str, Any
         assert (await tool.call_function("note", {"text": "b"})).stdout == "a,b"  # the shared session
 
 
-async def test_a_hung_call_times_out_retries_and_fails_visibly_then_the_tool_goes_on(spec: dict[str, Any]
-                                                                                     ) -> None:
+async def test_a_hung_call_is_cancelled_alone_and_not_repeated_unless_it_is_safe(spec: dict[str, Any]
+                                                                                 ) -> None:
     async with build_tool({**spec, "call_timeout_s": 1.0, "max_retries": 1}) as tool:
         started = time.perf_counter()
         hung = await tool.call_function("sleep", {"seconds": 30})
-        assert time.perf_counter() - started < 20
+        assert time.perf_counter() - started < 10
         assert hung.status == "error"
+        assert hung.message == ("the tool server did not answer 'sleep' (no answer within 1 s); the call may "
+                                "have run, so it was not repeated")
+        assert (await tool.call_function("add", {"a": 2, "b": 2})).stdout == "4"
+    async with build_tool({**spec, "call_timeout_s": 1.0, "max_retries": 1, "idempotent": ["sleep"]}) as tool:
+        hung = await tool.call_function("sleep", {"seconds": 30})
         assert hung.message == ("the tool server did not answer 'sleep' (no answer within 1 s) after 2 "
                                 "attempts")
-        assert (await tool.call_function("add", {"a": 2, "b": 2})).stdout == "4"  # reconnected
+
+
+async def test_a_hung_call_leaves_the_calls_in_flight_and_the_servers_state_alone(spec: dict[str, Any]
+                                                                                 ) -> None:
+    """On the shared connection: one call times out while another is in flight; the other answers and the
+    server's state (a stdio server's process, an HTTP server's session) is the same after."""
+    async with build_tool({**spec, "call_timeout_s": 3.0, "max_retries": 0}) as tool:
+        assert (await tool.call_function("note", {"text": "a"})).stdout == "a"
+
+        async def in_flight_when_the_other_times_out() -> Any:
+            await asyncio.sleep(1.5)
+            return await tool.call_function("sleep", {"seconds": 2.0})  # answers at ~3.5 s
+
+        hung, other = await asyncio.gather(tool.call_function("sleep", {"seconds": 30}),
+                                           in_flight_when_the_other_times_out())
+        assert hung.status == "error" and "no answer within 3 s" in hung.message
+        assert (other.status, other.stdout) == ("ok", "woke")
+        assert (await tool.call_function("note", {"text": "b"})).stdout == "a,b"
+
+
+async def test_an_episode_whose_session_was_replaced_is_told_its_state_is_gone() -> None:
+    async with build_tool(_stdio(max_retries=1)) as tool, tool.session() as session:
+        assert (await session.call_function("note", {"text": "x"})).stdout == "x"
+        died = await session.call_function("crash", {})
+        assert died.status == "error" and "the connection broke" in died.message
+        assert "may have run, so it was not repeated" in died.message
+        after = await session.call_function("note", {"text": "y"})
+        assert (after.status, after.stdout, after.is_session_reset) == ("ok", "y", True)
+        assert "state from this episode's earlier calls is gone" in after.message
+        again = await session.call_function("note", {"text": "z"})
+        assert (again.stdout, again.is_session_reset) == ("y,z", False)
 
 
 async def test_a_stdio_server_that_dies_fails_the_call_and_is_restarted() -> None:
     async with build_tool(_stdio(max_retries=1)) as tool:
         died = await tool.call_function("crash", {})
-        assert died.status == "error" and "after 2 attempts" in died.message
+        assert died.status == "error" and "it was not repeated" in died.message
         assert (await tool.call_function("add", {"a": 1, "b": 2})).stdout == "3"
 
 
@@ -139,8 +174,9 @@ async def test_an_http_server_that_goes_away_and_comes_back_is_reconnected() -> 
         async with build_tool(spec) as tool:
             assert (await tool.call_function("add", {"a": 1, "b": 1})).stdout == "2"
             _stop(process)
-            gone = await tool.call_function("add", {"a": 1, "b": 1})
+            gone = await tool.call_function("add", {"a": 1, "b": 1})  # read-only: retried
             assert gone.status == "error" and "after 2 attempts" in gone.message
+            assert "TaskGroup" not in gone.message, gone.message  # what failed, not the SDK's wrapper
             process = await asyncio.to_thread(_start_http_server, port)
             assert (await tool.call_function("add", {"a": 5, "b": 1})).stdout == "6"
     finally:
@@ -154,6 +190,12 @@ async def test_a_server_that_cannot_be_reached_stops_the_tool_at_start() -> None
             pass
     with pytest.raises(ToolUnavailableError, match="no-such-mcp-server"):
         async with build_tool({"type": "mcp", "command": "no-such-mcp-server", "connect_timeout_s": 5}):
+            pass
+
+
+async def test_an_idempotent_name_the_server_does_not_list_is_refused_at_start() -> None:
+    with pytest.raises(ToolConfigError, match=r"not list tool\(s\) 'search'.*the tool spec's `idempotent:`"):
+        async with build_tool(_stdio(idempotent=["add", "search"])):
             pass
 
 
