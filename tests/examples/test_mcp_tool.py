@@ -84,15 +84,7 @@ def _free_port() -> int:
 def http_server() -> Iterator[str]:
     """The example's server on loopback streamable HTTP, as the README starts it."""
     port = _free_port()
-    process = subprocess.Popen([sys.executable, str(EXAMPLE / "server.py"), "--http", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while True:
-        assert process.poll() is None and time.monotonic() < deadline, "the example server did not start"
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.2)
+    process = _start_example_server(port)
     yield f"http://127.0.0.1:{port}/mcp"
     process.terminate()
     process.wait(10)
@@ -157,22 +149,92 @@ def test_the_readme_trains_with_the_server_on_stdio(memorised_dir: Path, tmp_pat
     assert (run_dir / "export" / "config.json").is_file()
 
 
-def test_a_training_step_against_the_server_on_loopback_http(memorised_dir: Path, http_server: str,
-                                                             tmp_path: Path) -> None:
+def _start_example_server(port: int) -> subprocess.Popen[bytes]:
+    """The example's server on loopback streamable HTTP, as the README starts it."""
+    process = subprocess.Popen([sys.executable, str(EXAMPLE / "server.py"), "--http", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, "the example server did not start"
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return process
+        time.sleep(0.2)
+
+
+def _http_task(tmp_path: Path, url: str) -> Path:
+    """task_http.yaml with the server at `url` (a port free here), written where the test can use it."""
     spec = yaml.safe_load((EXAMPLE / "task_http.yaml").read_text())
     assert spec["tools"][0]["url"].startswith("http://127.0.0.1:")
     spec["extends"] = str(EXAMPLE / "task_http.yaml")
-    spec["tools"][0]["url"] = http_server  # the README's server, on a port free here
+    spec["tools"][0]["url"] = url
     # relative paths are from the task file's folder: this one is elsewhere
     spec["prompt"] = {"chat_template": str(EXAMPLE / "hermes_tools.jinja")}
     spec["dataset"] = {"type": "file", "path": str(EXAMPLE / "questions.jsonl")}
     task = tmp_path / "task.yaml"
     task.write_text(yaml.safe_dump(spec))
+    return task
+
+
+def test_a_training_step_against_the_server_on_loopback_http(memorised_dir: Path, http_server: str,
+                                                             tmp_path: Path) -> None:
+    task = _http_task(tmp_path, http_server)
     run_dir = tmp_path / "run"
     result = _run([*readme_command("train"), f"task={task}", f"model.path={memorised_dir}",
                    "engine.backend=hf", f"run_dir={run_dir}", "trainer.total_steps=1", "learner.device=cpu",
                    "task_overrides=[dataset.limit=1]", "--no-progress"])
     _check_trained(result, run_dir, 1)
+
+
+def test_a_server_that_dies_mid_run_fails_those_calls_and_the_run_goes_on_once_it_is_back(
+        memorised_dir: Path, tmp_path: Path) -> None:
+    """`vcpo train` against the HTTP server, killed after the first step and started again two steps
+    later: the calls in between fail visibly (errors the model reads, counted), the run reconnects,
+    solves the task again and finishes every step with every episode logged."""
+    port = _free_port()
+    server = _start_example_server(port)
+    run_dir, steps = tmp_path / "run", 10
+    command = [*readme_command("train"), f"task={_http_task(tmp_path, f'http://127.0.0.1:{port}/mcp')}",
+               f"model.path={memorised_dir}", "engine.backend=hf", f"run_dir={run_dir}",
+               f"trainer.total_steps={steps}", "learner.device=cpu", "task_overrides=[dataset.limit=1]",
+               "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    train = subprocess.Popen([str(VCPO), *command[1:]], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+
+    def steps_logged() -> int:
+        path = run_dir / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.is_file() else 0
+
+    def wait_for(count: int) -> int:
+        deadline = time.monotonic() + 600
+        while (done := steps_logged()) < count:
+            assert train.poll() is None and time.monotonic() < deadline, "the run ended or stalled"
+            time.sleep(0.05)
+        return done
+
+    try:
+        killed_after = wait_for(1)
+        server.kill()
+        server.wait()
+        restarted_after = wait_for(killed_after + 2)
+        server = _start_example_server(port)
+        stdout, stderr = train.communicate(timeout=600)
+    finally:
+        train.kill()
+        server.kill()
+        server.wait()
+    result = subprocess.CompletedProcess(train.args, train.returncode, stdout, stderr)
+    assert restarted_after < steps - 2, "the run outpaced the test: restart the server sooner"
+    assert result.returncode == 0, _failure(result, run_dir)
+    records = read_metrics(run_dir)
+    assert [r["trainer_step"] for r in records] == list(range(1, steps + 1))
+    episodes = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert len(episodes) == steps * 2 * 4
+    failed = [e for e in episodes if "the tool server did not answer" in e["text"]]
+    assert failed, "no episode met the dead server"
+    assert sum(r["rollout/tool_errors_mean"] for r in records) > 0
+    assert records[-1]["reward/mean"] > 0, "the run did not solve the task again once the server was back"
 
 
 def _check_samples(out: Path) -> None:
