@@ -924,17 +924,6 @@ class RunConfig(StrictModel):
     """Cluster layout for launcher=ray."""
 
     @model_validator(mode="after")
-    def _check_heldout_eval(self) -> RunConfig:
-        if self.trainer.eval_every > 0 and self.launcher != "local":
-            raise ValueError(f"trainer.eval_every={self.trainer.eval_every} needs launcher='local' (the "
-                             "held-out evaluation runs on the local engine); set trainer.eval_every=0 with "
-                             "launcher='ray'")
-        if self.trainer.eval_sets and self.launcher != "local":
-            raise ValueError("trainer.eval_sets needs launcher='local' (its evaluations run on the local "
-                             "engine, as the held-out set's); leave it empty with launcher='ray'")
-        return self
-
-    @model_validator(mode="after")
     def _check_corrections_proximal(self) -> RunConfig:
         if self.algo.corrections and self.learner.proximal == "reuse":
             raise ValueError("algo.corrections judge every token by log π_old before the gradient pass, "

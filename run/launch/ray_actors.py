@@ -31,6 +31,7 @@ from learner.distributed.weight_transport import (
 )
 from rollout.engines.weight_group import WeightGroup
 from rollout.manager import GroupTicket, RunGroup
+from rollout.types import GenerationRequest, GenerationResult
 from tools.base import DEFAULT_CODE_FENCE, ToolCall, ToolResult, code_fence_of
 from tools.registry import resolve_tool_class
 
@@ -142,6 +143,16 @@ class RolloutWorker:
         assert self._run_group is not None
         trajectories = await self._run_group(ticket)
         return GroupResult([t.to_msgpack() for t in trajectories], runtime.reward_errors, _incarnation())
+
+    async def generate(self, request: GenerationRequest, weights: WeightsHandle | None,
+                       min_version: int) -> GenerationResult:
+        """One generation on this worker's engine at `min_version` or newer (the driver's evaluations)."""
+        runtime = await self._ready()
+        if weights is not None:
+            await self.load_handle(weights)
+        if runtime.engine.version < min_version:
+            raise StaleWeights(f"serving version {runtime.engine.version}, the run is at {min_version}")
+        return await runtime.engine.generate(request)
 
     async def load_handle(self, weights: WeightsHandle) -> int:
         """Load `weights` unless this engine already serves that version or a newer one."""

@@ -57,11 +57,13 @@ from learner.distributed.weight_transport import WeightSpec, pack_weights, unpac
 from rollout.errors import EngineUnavailable
 from rollout.manager import GroupTicket, RunGroup
 from rollout.trajectory import Trajectory
+from rollout.types import GenerationRequest, GenerationResult
 from run.launch.ray_actors import (
     GroupResult,
     LearnerRank,
     LearnerSpec,
     RayLaunchError,
+    RemoteTool,
     RolloutWorker,
     SandboxActor,
     StaleWeights,
@@ -72,6 +74,8 @@ from run.launch.ray_actors import (
     ray_module,
 )
 from run.observability.live_activity import heartbeat
+from tools.base import code_fence_of
+from tools.registry import resolve_tool_class
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +234,46 @@ class RayRolloutPool:
                 log.warning("ray: a rollout worker missed a weight push (%s); it catches up before it "
                             "generates again", type(result).__name__)
 
+    async def _weights_for(self, worker: _WorkerState) -> WeightsHandle | None:
+        """What a call to `worker` carries: the object-store handle (that transport), or under broadcast a
+        copy only for a worker that may have missed a push."""
+        if self.config.weight_transport != "broadcast":
+            return self._weights
+        return await asyncio.to_thread(self.learners.current_weights) if worker.stale else None
+
+    # InferenceEngine, for the driver's evaluations: each generation on a live worker at the run's version
+    name = "ray"
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """`request` on the least-loaded live worker at the current version; another one if it dies."""
+        ray = ray_module()
+        stale_retries = 0
+        while True:
+            worker = await self._live_worker()
+            worker.in_flight += 1
+            try:
+                weights = await self._weights_for(worker)
+                result: GenerationResult = await self._call(worker, "generate", request, weights,
+                                                            self._version)
+            except ray.exceptions.RayTaskError as exc:
+                if not isinstance(exc.cause, StaleWeights):
+                    raise (exc.cause if isinstance(exc.cause, Exception) else exc) from None
+                stale_retries += 1
+                if stale_retries > 2:
+                    raise EngineUnavailable("ray", f"a rollout worker cannot catch up: {exc.cause}") from None
+                worker.stale = True
+                continue
+            except ray.exceptions.RayActorError as exc:
+                worker.stale = True
+                log.warning("ray: rollout worker died during an evaluation's generation (%s); retrying it "
+                            "on another", type(exc).__name__)
+                await self._mark_down(worker, dead=isinstance(exc, ray.exceptions.ActorDiedError))
+                continue
+            finally:
+                worker.in_flight -= 1
+            worker.stale = False
+            return result
+
     async def run_group(self, ticket: GroupTicket) -> list[Trajectory]:
         """Run the group on the least-loaded live worker; regenerate it elsewhere if that actor dies."""
         ray = ray_module()
@@ -238,9 +282,7 @@ class RayRolloutPool:
             worker = await self._live_worker()
             worker.in_flight += 1
             try:
-                weights = self._weights
-                if self.config.weight_transport == "broadcast":
-                    weights = await asyncio.to_thread(self.learners.current_weights) if worker.stale else None
+                weights = await self._weights_for(worker)
                 result: GroupResult = await self._call(worker, "run_group", ticket, weights, self._version)
             except ray.exceptions.RayTaskError as exc:
                 if not isinstance(exc.cause, StaleWeights):  # the group failed: raise it as local mode does
@@ -583,8 +625,11 @@ async def run_training_ray(config: RunConfig, task: TaskConfig, task_path: Path,
                                    replicated=config.learner.backend == "torch")
         pool = RayRolloutPool(actors.workers, config.ray, task, tokenizer, learners, actors.skipped_samples)
         try:
-            return await train(config, pool, learners, run_dir, progress=progress,
-                               stop_after_step=stop_after_step)
+            async with contextlib.AsyncExitStack() as stack:
+                heldout, eval_sets = await _driver_evaluators(stack, config, task, task_path, tokenizer, pool,
+                                                              actors.sandboxes, run_dir)
+                return await train(config, pool, learners, run_dir, progress=progress,
+                                   stop_after_step=stop_after_step, heldout=heldout, eval_sets=eval_sets)
         finally:
             await pool.close()
             for sandbox in actors.sandboxes:
@@ -592,3 +637,21 @@ async def run_training_ray(config: RunConfig, task: TaskConfig, task_path: Path,
                     await asyncio.wait_for(_await_ref(sandbox.close.remote()), 30)
             for actor in actors.all():
                 ray.kill(actor, no_restart=True)
+
+
+async def _driver_evaluators(stack: contextlib.AsyncExitStack, config: RunConfig, task: TaskConfig,
+                             task_path: Path, tokenizer: Any, pool: RayRolloutPool, sandboxes: list[Any],
+                             run_dir: Path) -> tuple[Any, list[Any]]:
+    """The run's evaluations as local mode's (run/launch/evaluators.py): the episodes run on the driver,
+    each generation on a rollout worker at the evaluated version (`RayRolloutPool.generate`), each tool
+    call on the sandbox actors when there are some, else on the task's tools started here."""
+    from run.launch.evaluators import run_evaluators
+    from run.train.wiring import remote_engine_runtime
+
+    if not (config.trainer.eval_every or config.trainer.eval_sets):
+        return None, []
+    tool = None
+    if sandboxes:
+        tool = RemoteTool(list(sandboxes), code_fence_of(resolve_tool_class(task.tool["type"])))
+    runtime = await remote_engine_runtime(stack, task, task_path, tokenizer=tokenizer, engine=pool, tool=tool)
+    return await run_evaluators(stack, config, runtime, task_path, run_dir)

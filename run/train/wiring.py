@@ -148,13 +148,7 @@ async def task_runtime(
     """Samples, reward, a started engine and tool for `task`; everything is closed on exit."""
     from rollout.engines.factory import start_engine
 
-    loaded = load_samples(task, which=which, task_dir=task_path.parent, data_dir=data_dir, limit=limit)
-    if loaded.skipped:
-        log.warning("%s: skipped %d bad rows of %s: %s", task.name, loaded.skipped, loaded.source,
-                    loaded.skip_reasons)
-    reward = build_reward(task.reward, task.answer)
-    if task.prompt.chat_template is not None:  # the run's template: prompts, tool messages, the export
-        tokenizer.chat_template = chat_template_path(task, task_path).read_text(encoding="utf-8")
+    loaded, reward = _samples_and_reward(task, task_path, tokenizer, which, limit, data_dir)
     async with contextlib.AsyncExitStack() as stack:
         # the tools first: a tool that cannot start (a name its MCP server does not list) is refused in
         # seconds, not after the engine has loaded the model and compiled
@@ -165,6 +159,31 @@ async def task_runtime(
                               skipped_samples=loaded.skipped)
         finally:
             await engine.close()
+
+
+def _samples_and_reward(task: TaskConfig, task_path: Path, tokenizer: Any, which: Literal["train", "eval"],
+                        limit: int | None = None, data_dir: Path | None = None) -> tuple[Any, Any]:
+    """The task's samples (bad rows skipped and logged) and reward; the tokenizer takes the task's chat
+    template if it names one (the run's template: prompts, tool messages, the export)."""
+    loaded = load_samples(task, which=which, task_dir=task_path.parent, data_dir=data_dir, limit=limit)
+    if loaded.skipped:
+        log.warning("%s: skipped %d bad rows of %s: %s", task.name, loaded.skipped, loaded.source,
+                    loaded.skip_reasons)
+    reward = build_reward(task.reward, task.answer)
+    if task.prompt.chat_template is not None:
+        tokenizer.chat_template = chat_template_path(task, task_path).read_text(encoding="utf-8")
+    return loaded, reward
+
+
+async def remote_engine_runtime(stack: contextlib.AsyncExitStack, task: TaskConfig, task_path: Path, *,
+                                tokenizer: Any, engine: Any, tool: Tool | None = None) -> TaskRuntime:
+    """A TaskRuntime around an engine that runs elsewhere (launcher=ray's rollout workers): the task's
+    training samples and reward, and `tool` — or the task's tools started here on `stack`. The driver's
+    evaluations run their episodes through it."""
+    loaded, reward = _samples_and_reward(task, task_path, tokenizer, "train")
+    runner = tool if tool is not None else await _enter_tools(stack, task, task_path, tokenizer)
+    return TaskRuntime(task, loaded.samples, reward, tokenizer, engine, runner,
+                       skipped_samples=loaded.skipped)
 
 
 @dataclass(frozen=True)

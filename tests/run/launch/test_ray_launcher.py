@@ -65,6 +65,19 @@ def test_layout_errors_name_the_field_and_the_fix(tmp_path: Path) -> None:
         check_layout(config)
 
 
+def _with_evaluations(tmp_path: Path) -> None:
+    """The e2e configs with local mode's evaluations: a held-out set every 2 steps, a test set."""
+    task_file, run_file = tmp_path / "task.yaml", tmp_path / "run.yaml"
+    task = yaml.safe_load(task_file.read_text())
+    task["heldout_dataset"] = {"type": "generator", "name": "countdown", "num_samples": 16, "seed": 1}
+    task_file.write_text(yaml.safe_dump(task))
+    run = yaml.safe_load(run_file.read_text())
+    run["trainer"].update(eval_every=2, eval_samples=4, eval_sets=[{
+        "name": "test", "samples": 4,
+        "dataset": {"type": "generator", "name": "countdown", "num_samples": 16, "seed": 2}}])
+    run_file.write_text(yaml.safe_dump(run))
+
+
 def _ray_overrides(**ray_settings: object) -> list[str]:
     return ["launcher=ray", *(f"ray.{key}={value}" for key, value in ray_settings.items())]
 
@@ -76,14 +89,32 @@ def test_ray_train_matches_local_metrics_and_lag_bound(tmp_path: Path, tiny_mode
     object-store weights, k = 1; stopped after step 2 and resumed from its checkpoint (the replicas'
     state once, rollout state on the driver)."""
     config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=3)
+    _with_evaluations(tmp_path)
     overrides = _ray_overrides(num_cpus=2, rollout_workers=2, rollout_cpus=0.25, learner_ranks=2,
                                learner_cpus=0.5, sandbox_workers=1, sandbox_cpus=0.5)
     first = _vcpo("train", str(config), "--no-progress", "--stop-after-step", "2", *overrides, timeout=380)
     assert first.returncode == 0, first.stderr[-4000:]
     result = _vcpo("train", str(config), "--no-progress", *overrides, timeout=380)  # resumes at step 2
     assert result.returncode == 0, result.stderr[-4000:]
-    records = read_metrics(tmp_path / "run")
-    assert [r["trainer_step"] for r in records] == [1, 2, 3]
+    everything = read_metrics(tmp_path / "run")
+    assert [r["trainer_step"] for r in everything] == [0, 1, 2, 3]  # step 0: the evaluations before step 1
+    # the evaluations ran as in local mode: the held-out set at versions 0, 2 and 3 (the first two before
+    # the stop, kept and not redone on resume), the test set before the first step and after the last
+    evaluated = {r["trainer_step"]: r for r in everything if "eval/success" in r}
+    assert sorted(evaluated) == [0, 2, 3], sorted(evaluated)
+    assert all(evaluated[step]["eval/prompts"] == 4 for step in (0, 2, 3))
+    assert "eval/test/success" in everything[0] and "eval/test/success" in everything[-1]
+    records = everything[1:]
+    run = tmp_path / "run"
+    assert sorted(p.name for p in (run / "eval").glob("version_*.jsonl")) == [
+        "version_000000.jsonl", "version_000002.jsonl", "version_000003.jsonl"]
+    assert sorted(p.name for p in (run / "eval" / "test").glob("version_*.jsonl")) == [
+        "version_000000.jsonl", "version_000003.jsonl"]
+    for path in (run / "eval").rglob("version_*.jsonl"):  # every prompt once: nothing lost, nothing twice
+        meta, *rows = (json.loads(line) for line in path.read_text().splitlines())
+        assert meta["kind"] == "meta" and len({(r["sample_id"], r["index"]) for r in rows}) == len(rows) == 4
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["heldout"] and summary["eval_sets"]["test"]["evaluations"]
     lines = (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()
     consumed = [json.loads(line) for line in lines]
     groups = [(r["step"], r["group"]) for r in consumed]
