@@ -6,6 +6,7 @@ actor is restarted while its in-flight group is regenerated."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -255,3 +256,67 @@ def test_ray_train_on_gpus_with_nccl_broadcast(tmp_path: Path, tiny_model_dir: P
     result = _vcpo("train", str(config), "--no-progress", *overrides, timeout=880)
     assert result.returncode == 0, result.stderr[-4000:]
     assert [r["trainer_step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+@pytest.mark.timeout(600)
+def test_across_two_nodes_the_rollout_nodes_death_loses_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A cluster of separate raylets on this machine (`ray.cluster_utils.Cluster`): a head for the driver,
+    one node for the learner, one for the rollout worker, evaluations on. After the first step the
+    rollout node is removed (every process on it killed) and a fresh node joins: Ray reschedules the
+    rollout worker there, its group is regenerated, and the run finishes every step and every evaluation
+    with no group lost or used twice."""
+    from ray.cluster_utils import Cluster
+
+    from run.launch.ray_launcher import run_training_ray
+    from run.train.wiring import engine_settings, load_task
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the driver's node
+    try:
+        for _ in range(2):  # one 1-CPU node each for the learner and the rollout worker
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        config_path = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=4, tool=False)
+        _with_evaluations(tmp_path)
+        config = load_config(config_path, RunConfig, [
+            "launcher=ray", f"ray.address={cluster.address}", "ray.rollout_workers=1", "ray.rollout_cpus=1",
+            "ray.learner_cpus=1", "ray.start_timeout_s=120"])
+        task, task_path = load_task(config.task, config.task_overrides)
+        settings = engine_settings(config.engine, str(config_path))
+        run = tmp_path / "run"
+        removed: list[str] = []
+
+        async def remove_the_rollout_node_after_step_1() -> None:
+            metrics = run / "metrics.jsonl"
+            while not (metrics.is_file() and any(json.loads(line)["trainer_step"] >= 1
+                                                 for line in metrics.read_text().splitlines())):
+                await asyncio.sleep(0.05)
+            cluster.add_node(num_cpus=1)  # where Ray can restart the rollout worker
+            table = ray.util.placement_group_table()
+            (rollout,) = [pg for pg in table.values() if pg["name"].endswith("-rollout")]
+            (node_id,) = set(rollout["bundles_to_node_id"].values())
+            (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
+            await asyncio.to_thread(cluster.remove_node, node)
+            removed.append(node_id)
+
+        async def main() -> None:
+            remover = asyncio.create_task(remove_the_rollout_node_after_step_1())
+            await run_training_ray(config, task, task_path, settings, tmp_path / "cache", run, progress=False)
+            assert remover.done()
+            remover.result()
+
+        asyncio.run(main())
+    finally:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        cluster.shutdown()
+    assert removed
+    records = read_metrics(run)
+    assert [r["trainer_step"] for r in records] == [0, 1, 2, 3, 4]
+    assert records[-1]["rollout/regenerated_groups"] >= 1
+    assert all(r["staleness/max"] <= 1 for r in records[1:])
+    consumed = [json.loads(line) for line in (run / "trajectories.jsonl").read_text().splitlines()]
+    assert sorted({r["group"] for r in consumed}) == list(range(8))  # 4 steps × 2 groups
+    assert len(consumed) == 4 * 2 * 4  # steps × groups × group size: none lost, none twice
+    assert sorted(p.name for p in (run / "eval").glob("version_*.jsonl")) == [
+        "version_000000.jsonl", "version_000002.jsonl", "version_000004.jsonl"]
+    assert "eval/test/success" in records[-1]
