@@ -250,22 +250,7 @@ async def run_episode(
     tool_s = 0.0
     is_truncated = False
     finish: FinishReason = "stop"
-    runner_scope: contextlib.AbstractAsyncContextManager[Any]
-    fence: CodeFence | None = None
-    renderer: ToolMessageRenderer | None = None
-    parser: ToolCallParser | None = None
-    if settings.tool_format == "function_call":
-        toolbox = as_toolbox(tool)
-        runner_scope = _function_scope(toolbox, settings)
-        if toolbox is not None:
-            renderer = ToolMessageRenderer(tokenizer, toolbox.template_tools())
-            parser = resolve_parser(settings.tool_parser)
-    elif isinstance(tool, Toolbox):
-        raise TypeError("a Toolbox offers functions: run it with tool_format='function_call'")
-    else:
-        runner_scope = _executor(tool, settings.use_session)
-        # the tool says which fenced blocks it runs (```python unless it declares `code_fence`)
-        fence = code_fence(code_fence_of(tool)) if tool is not None else None
+    runner_scope, fence, renderer, parser = _tool_plumbing(tool, settings, tokenizer)
     async with runner_scope as runner:
         for turn in range(settings.max_turns + 1):
             generated = await _generate_turn(engine, tokenizer, builder, settings, fence, turn, trajectory_id)
@@ -329,6 +314,24 @@ async def run_episode(
     )
     return Episode(trajectory, tuple(records), response_text,
                    find_answer(response_text, settings.answer_pattern), reward_info)
+
+
+def _tool_plumbing(tool: Tool | Toolbox | None, settings: EpisodeSettings, tokenizer: PreTrainedTokenizerBase
+                   ) -> tuple[contextlib.AbstractAsyncContextManager[Any], CodeFence | None,
+                              ToolMessageRenderer | None, ToolCallParser | None]:
+    """How the episode reaches its tool: the runner's scope (a session or the shared tool), and either the
+    code fence it runs (code_fence) or the renderer of tool messages and the call parser (function_call)."""
+    if settings.tool_format == "function_call":
+        toolbox = as_toolbox(tool)
+        if toolbox is None:
+            return _function_scope(toolbox, settings), None, None, None
+        renderer = ToolMessageRenderer(tokenizer, toolbox.template_tools())
+        return _function_scope(toolbox, settings), None, renderer, resolve_parser(settings.tool_parser)
+    if isinstance(tool, Toolbox):
+        raise TypeError("a Toolbox offers functions: run it with tool_format='function_call'")
+    # the tool says which fenced blocks it runs (```python unless it declares `code_fence`)
+    fence = code_fence(code_fence_of(tool)) if tool is not None else None
+    return _executor(tool, settings.use_session), fence, None, None
 
 
 async def _write_summary(engine: InferenceEngine, tokenizer: PreTrainedTokenizerBase,

@@ -223,3 +223,16 @@ def test_no_import_cycles_between_modules() -> None:
     for node in sorted(graph):
         if node not in state and (cycle := visit(node)):
             pytest.fail("import cycle: " + " → ".join(cycle))
+
+
+def test_no_function_is_longer_than_100_lines() -> None:
+    """A function past 100 lines does several things; name them (the longest today is under 100)."""
+    long = []
+    for layer in PROJECT:
+        for path in (ROOT / layer).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = node.end_lineno - node.lineno + 1 if node.end_lineno else 0
+                    if lines > 100:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long

@@ -230,30 +230,9 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
     torch.manual_seed(config.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer, rollout = config.trainer, config.rollout
-    run_group = runtime.group_runner(config.algo.group_size, config.seed)
     lag_control = lag_controller(config)
-    manager = RolloutManager(
-        runtime.engine, run_group, groups_per_batch=rollout.groups_per_step,
-        max_lag=lag_control.bound if lag_control is not None else rollout.lag_ceiling,
-        max_concurrent_groups=(rollout.max_concurrent_groups
-                               or rollout.groups_per_step * (rollout.lag_ceiling + 1)),
-        max_attempts=rollout.max_group_attempts, fatal_errors=(EngineUnavailable, ToolUnavailableError),
-        total_batches=trainer.total_steps, saturate=rollout.saturate_lag,
-        accept=has_signal if rollout.dynamic_sampling else None, max_refills=rollout.max_refills_per_step,
-        clock=simulated_clock(config))
-    start_step = 0
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is not None:
-        state, meta = load_checkpoint(checkpoint, map_location=learner.device)
-        learner.load_state_dict(state["learner"])
-        restore_rng_state(state["rng"])
-        manager.restore(state["rollout"])
-        if lag_control is not None and "lag_control" in state:  # the bound in force when it was written
-            lag_control.restore(state["lag_control"])
-            await manager.set_max_lag(lag_control.bound)
-        start_step = int(meta["step"])
-        log.info("resuming from %s (step %d)", checkpoint, start_step)
-        await manager.sync_weights(learner.named_weights(), start_step)
+    manager = _rollout_manager(config, runtime, lag_control)
+    start_step = await _resume(run_dir, learner, manager, lag_control)
     evals = Evaluations(heldout, trainer.eval_every, eval_sets, trainer.total_steps)
     evals.discard_after(start_step)  # a resumed run retrains the versions after its checkpoint
     rewards: list[float] = []
@@ -262,24 +241,8 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
     is_finished = False
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        # One dedicated learner thread: glibc gives each thread its own malloc arena and keeps what a
-        # thread freed for that thread, so learner steps hopping between pool threads each pinned a
-        # step's worth of activations (the default run grew 12 → 24 GB in 7 steps and was OOM-killed).
-        learner_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
-        # not waited for on the way out: a cancelled run (Ctrl-C) unwinds at once, and the step on the
-        # thread, if any, ends on its own (the checkpoints it could touch are written atomically)
-        stack.callback(learner_thread.shutdown, wait=False, cancel_futures=True)
-        trajectory_log = None
-        if trainer.save_trajectories:
-            trajectory_log = TrajectoryLog(run_dir / "trajectories.jsonl", runtime.tokenizer, start_step)
-            stack.callback(trajectory_log.close)
-        metrics_log = stack.enter_context(MetricsLogger(
-            run_dir, resume_from_step=start_step,
-            use_tensorboard=trainer.use_tensorboard, use_wandb=trainer.use_wandb))
-        display = stack.enter_context(ProgressLine(trainer.total_steps)) if progress else None
-        live = None
-        if display is not None:
-            live = LiveActivity(display, runtime, rollout.groups_per_step * config.algo.group_size)
+        learner_thread, trajectory_log, metrics_log, display, live = _step_loop_outputs(
+            stack, config, runtime, run_dir, start_step, progress)
         async with manager, ticking(live):
             if evals.any and metrics_log.last_step is None:
                 # the policy RL starts from (after the warm start), logged as trainer_step 0
@@ -308,18 +271,9 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                 train_s = time.perf_counter() - tick
                 if manager.clock is not None:  # the timeline's step, not the machine's
                     metrics.update(manager.clock.metrics(step))
-                if lag_control is not None:  # before the push: a lowered bound admits nothing more first
-                    waited_share = (manager.clock.step(step).idle_fraction if manager.clock is not None
-                                    else idle_fraction(idle_learner, train_s))
-                    ess = metrics.get(names.IS_ESS_RATIO)
-                    mismatch = metrics.get(names.IS_MISMATCH_ESS_RATIO)
-                    move = lag_control.update(float("nan") if ess is None else float(ess), waited_share,
-                                              [ticket.lag_bound for ticket, _ in groups],
-                                              None if mismatch is None else float(mismatch))
-                    await manager.set_max_lag(move.bound)
-                    metrics.update(lag_control.metrics(move, waited_share))
-                else:
-                    metrics[ROLLOUT_MAX_LAG] = float(manager.max_lag)
+                # before the push: a lowered bound admits nothing more first
+                metrics.update(await _judge_lag(lag_control, manager, metrics, groups, step,
+                                                idle_learner, train_s))
                 if live is not None:
                     live.begin(step + 1, "weight push")
                 tick = time.perf_counter()
@@ -336,13 +290,7 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                     "rollout/failed_groups": manager.counters.groups_failed})
                 trained_rewards = [t.reward for t in batch.trajectories]
                 if rollout.dynamic_sampling:
-                    dropped = manager.last_batch_dropped_rewards
-                    generated = trained_rewards + dropped
-                    metrics.update({names.ROLLOUT_REFILLS: manager.last_batch_refills,
-                                    names.ROLLOUT_REFILLED_GROUPS: manager.counters.groups_refilled,
-                                    names.ROLLOUT_REFILL_TOKENS: manager.counters.refill_tokens,
-                                    names.ROLLOUT_DROPPED_EPISODES: len(dropped),
-                                    names.ROLLOUT_REWARD_MEAN_GENERATED: sum(generated) / len(generated)})
+                    metrics.update(_refill_metrics(manager, trained_rewards))
                 metrics.update(runtime.counters())
                 trend = signal.update(step + 1, trained_rewards)
                 metrics.update(trend)
@@ -363,21 +311,123 @@ async def train(config: RunConfig, runtime: RolloutRuntime, learner: Learner, ru
                     display.update(step + 1, {**shown_trend, **metrics})
                 is_last = is_finished = step + 1 == trainer.total_steps
                 if (step + 1) % trainer.checkpoint_every == 0 or is_last:
-                    save_checkpoint(run_dir, step + 1, {"learner": learner.state_dict(), "rng": rng_state(),
-                                                        "rollout": manager.state(),
-                                                        **({"lag_control": lag_control.state()}
-                                                           if lag_control is not None else {})},
-                                    {"version": step + 1, "config": config.model_dump(mode="json")},
-                                    keep=trainer.keep_checkpoints)
+                    _checkpoint(config, run_dir, step + 1, learner, manager, lag_control)
                 if stop_after_step is not None and step + 1 >= stop_after_step:
                     break
     if is_finished:
         export_model(learner, runtime.tokenizer, run_dir / "export")
-    steps_done = len(rewards)
-    wall_s = time.perf_counter() - started
+    return _summary(rewards, time.perf_counter() - started, run_dir, evals)
+
+
+def _step_loop_outputs(stack: contextlib.ExitStack, config: RunConfig, runtime: RolloutRuntime, run_dir: Path,
+                       start_step: int, progress: bool) -> tuple[ThreadPoolExecutor, TrajectoryLog | None,
+                                                                 MetricsLogger, ProgressLine | None,
+                                                                 LiveActivity | None]:
+    """What the step loop writes to and runs on, closed by `stack`: the learner's thread, the trajectory and
+    metrics logs (resumed at `start_step`), the progress line and its live activity."""
+    trainer = config.trainer
+    # One dedicated learner thread: glibc gives each thread its own malloc arena and keeps what a
+    # thread freed for that thread, so learner steps hopping between pool threads each pinned a
+    # step's worth of activations (the default run grew 12 → 24 GB in 7 steps and was OOM-killed).
+    learner_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
+    # not waited for on the way out: a cancelled run (Ctrl-C) unwinds at once, and the step on the
+    # thread, if any, ends on its own (the checkpoints it could touch are written atomically)
+    stack.callback(learner_thread.shutdown, wait=False, cancel_futures=True)
+    trajectory_log = None
+    if trainer.save_trajectories:
+        trajectory_log = TrajectoryLog(run_dir / "trajectories.jsonl", runtime.tokenizer, start_step)
+        stack.callback(trajectory_log.close)
+    metrics_log = stack.enter_context(MetricsLogger(
+        run_dir, resume_from_step=start_step,
+        use_tensorboard=trainer.use_tensorboard, use_wandb=trainer.use_wandb))
+    display = stack.enter_context(ProgressLine(trainer.total_steps)) if progress else None
+    live = None
+    if display is not None:
+        live = LiveActivity(display, runtime, config.rollout.groups_per_step * config.algo.group_size)
+    return learner_thread, trajectory_log, metrics_log, display, live
+
+
+def _summary(rewards: list[float], wall_s: float, run_dir: Path, evals: Evaluations) -> TrainSummary:
     eval_s = evals.seconds()
     phases = {"RL": wall_s - eval_s, **({"held-out eval": eval_s} if eval_s else {})}
     block = min(10, max(1, len(rewards) // 2))  # a short run compares its halves, not itself with itself
-    return TrainSummary(steps_done, rewards[:block], rewards[-block:], wall_s, run_dir,
+    return TrainSummary(len(rewards), rewards[:block], rewards[-block:], wall_s, run_dir,
                         heldout=evals.heldout_results, heldout_change=evals.heldout_change(), phases=phases,
                         eval_sets=evals.set_results, eval_set_changes=evals.set_changes())
+
+
+def _rollout_manager(config: RunConfig, runtime: RolloutRuntime, lag_control: LagController | None
+                     ) -> RolloutManager:
+    """The run's rollout manager: its lag bound (the controller's, when `max_lag: auto`), admission,
+    retries, dynamic sampling and (for simulations) the clock."""
+    rollout = config.rollout
+    return RolloutManager(
+        runtime.engine, runtime.group_runner(config.algo.group_size, config.seed),
+        groups_per_batch=rollout.groups_per_step,
+        max_lag=lag_control.bound if lag_control is not None else rollout.lag_ceiling,
+        max_concurrent_groups=(rollout.max_concurrent_groups
+                               or rollout.groups_per_step * (rollout.lag_ceiling + 1)),
+        max_attempts=rollout.max_group_attempts, fatal_errors=(EngineUnavailable, ToolUnavailableError),
+        total_batches=config.trainer.total_steps, saturate=rollout.saturate_lag,
+        accept=has_signal if rollout.dynamic_sampling else None, max_refills=rollout.max_refills_per_step,
+        clock=simulated_clock(config))
+
+
+async def _resume(run_dir: Path, learner: Learner, manager: RolloutManager,
+                  lag_control: LagController | None) -> int:
+    """Restore run_dir's newest checkpoint (learner, RNG, rollout state, the lag bound in force when it was
+    written) and push its weights; the step to start from (0 without one)."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return 0
+    state, meta = load_checkpoint(checkpoint, map_location=learner.device)
+    learner.load_state_dict(state["learner"])
+    restore_rng_state(state["rng"])
+    manager.restore(state["rollout"])
+    if lag_control is not None and "lag_control" in state:
+        lag_control.restore(state["lag_control"])
+        await manager.set_max_lag(lag_control.bound)
+    start_step = int(meta["step"])
+    log.info("resuming from %s (step %d)", checkpoint, start_step)
+    await manager.sync_weights(learner.named_weights(), start_step)
+    return start_step
+
+
+async def _judge_lag(lag_control: LagController | None, manager: RolloutManager, metrics: dict[str, Any],
+                     groups: Sequence[Any], step: int, idle_learner: float, train_s: float
+                     ) -> dict[str, float]:
+    """With `max_lag: auto`, let the controller judge the step (ESS, the learner's waiting share, the
+    groups' bounds) and apply its bound; its metrics. Otherwise the fixed bound as a metric."""
+    if lag_control is None:
+        return {ROLLOUT_MAX_LAG: float(manager.max_lag)}
+    waited_share = (manager.clock.step(step).idle_fraction if manager.clock is not None
+                    else idle_fraction(idle_learner, train_s))
+    ess = metrics.get(names.IS_ESS_RATIO)
+    mismatch = metrics.get(names.IS_MISMATCH_ESS_RATIO)
+    move = lag_control.update(float("nan") if ess is None else float(ess), waited_share,
+                              [ticket.lag_bound for ticket, _ in groups],
+                              None if mismatch is None else float(mismatch))
+    await manager.set_max_lag(move.bound)
+    return lag_control.metrics(move, waited_share)
+
+
+def _refill_metrics(manager: RolloutManager, trained_rewards: list[float]) -> dict[str, float]:
+    """Dynamic sampling's step: refills, groups refilled, their tokens, episodes dropped, and the mean
+    reward of everything generated (trained and dropped)."""
+    dropped = manager.last_batch_dropped_rewards
+    generated = trained_rewards + dropped
+    return {names.ROLLOUT_REFILLS: manager.last_batch_refills,
+            names.ROLLOUT_REFILLED_GROUPS: manager.counters.groups_refilled,
+            names.ROLLOUT_REFILL_TOKENS: manager.counters.refill_tokens,
+            names.ROLLOUT_DROPPED_EPISODES: len(dropped),
+            names.ROLLOUT_REWARD_MEAN_GENERATED: sum(generated) / len(generated)}
+
+
+def _checkpoint(config: RunConfig, run_dir: Path, version: int, learner: Learner, manager: RolloutManager,
+                lag_control: LagController | None) -> None:
+    save_checkpoint(run_dir, version, {"learner": learner.state_dict(), "rng": rng_state(),
+                                       "rollout": manager.state(),
+                                       **({"lag_control": lag_control.state()} if lag_control is not None
+                                          else {})},
+                    {"version": version, "config": config.model_dump(mode="json")},
+                    keep=config.trainer.keep_checkpoints)
