@@ -6,7 +6,7 @@
 * `async` — wall time of one workload at several lag bounds (`asynchrony`, with `step_mix`)
 * `learner` — optimizer steps of each learner backend and their kernel floor (`learner_step`,
   `kernel_floor`, `workload`)
-* `opob` — the cost of a VCPO step against a GRPO step (`opob_step`, with `grad_paths`)
+* `opob` — the cost of a VCPO step against a GRPO step (`opob_step`)
 * `engine` — tokens/s of every engine backend against HF `generate`, each in a worker process
   (`engine`, `engine_worker`)
 * `sandbox` — the local sandbox's latency and throughput against a bare `python3 -c` (`sandbox`)

@@ -30,8 +30,6 @@ class ModelConfig(StrictModel):
     agreement (~1e-4); bfloat16 is for GPUs."""
     cache_dir: str | None = None
     """Where converted models are cached; None = $VCPO_CACHE_DIR/models or ~/.cache/vcpo/models."""
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    """Attention kernel of the learner's HF model; both handle packed sequences."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass (HF's activation checkpointing):
     memory for one layer's activations instead of all of them, one more forward of compute. VCPO's exact

@@ -52,13 +52,6 @@ EPISODE_TOKENS = Path(__file__).resolve().parents[1] / "data" / "main_job_episod
 """The main job's real episode lengths (tokens after the prompt), with where they come from."""
 
 
-def episode_tokens(trajectories: Path, tokenizer: Any) -> list[int]:
-    """Tokens after the prompt of every episode in a run's trajectories.jsonl (its text re-encoded)."""
-    lines = trajectories.read_text().splitlines()
-    return [len(tokenizer.encode(json.loads(line)["text"], add_special_tokens=False))
-            for line in lines if line]
-
-
 def fit_episode_times(tokens: list[int], tokens_per_s: float) -> tuple[float, float]:
     """(median, sigma) of the clock's episode times: the maximum-likelihood lognormal of real episode lengths
     in tokens (rollout/sim_clock.py's `fit_lognormal`) at `tokens_per_s` per episode."""
