@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
+
+from configs.schema import RolloutConfig
 
 LATEST = "latest"
 
@@ -167,13 +170,11 @@ def resume_conflicts(run_dir: Path, config: dict[str, Any]) -> list[str]:
 
 
 def _lag_ceiling(config: dict[str, Any]) -> tuple[int, str] | None:
-    """(the largest lag bound of a RunConfig dump, the field that sets it): rollout.max_lag, or with
-    `max_lag: auto` rollout.auto_lag.max_lag; None when the dump has neither."""
+    """(the largest lag bound of a RunConfig dump, the field that sets it): `RolloutConfig.lag_ceiling` of its
+    rollout section; None when the dump has none that validates (a checkpoint of another version)."""
     rollout = config.get("rollout") if isinstance(config, dict) else None
-    if not isinstance(rollout, dict):
+    try:
+        section = RolloutConfig.model_validate(rollout)
+    except ValidationError:
         return None
-    lag = rollout.get("max_lag")
-    if lag == "auto":
-        ceiling = (rollout.get("auto_lag") or {}).get("max_lag")
-        return (ceiling, "rollout.auto_lag.max_lag") if isinstance(ceiling, int) else None
-    return (lag, "rollout.max_lag") if isinstance(lag, int) else None
+    return section.lag_ceiling, "rollout.auto_lag.max_lag" if section.max_lag == "auto" else "rollout.max_lag"

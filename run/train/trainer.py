@@ -115,11 +115,10 @@ def simulated_clock(config: RunConfig) -> SimulatedClock | None:
     clock = config.rollout.simulated_clock
     if clock is None:
         return None
-    settings = ClockSettings(
-        episode_median_s=clock.episode_median_s, episode_sigma=clock.episode_sigma,
-        max_episode_s=clock.max_episode_s, learner_s=clock.learner_s,
-        concurrent_groups=clock.concurrent_groups,
-        seed=config.seed if clock.seed is None else clock.seed)
+    # the schema's section documents and validates the owner's settings field for field (a test keeps them
+    # the same names), so it converts whole
+    seed = config.seed if clock.seed is None else clock.seed
+    settings = ClockSettings(**{**clock.model_dump(), "seed": seed})
     return SimulatedClock(settings, groups_per_batch=config.rollout.groups_per_step,
                           group_size=config.algo.group_size, total_batches=config.trainer.total_steps)
 
@@ -129,11 +128,7 @@ def lag_controller(config: RunConfig) -> LagController | None:
     rollout = config.rollout
     if rollout.max_lag != "auto":
         return None
-    auto = rollout.auto_lag
-    return LagController(LagControlSettings(
-        min_lag=auto.min_lag, max_lag=auto.max_lag, target_ess_ratio=auto.target_ess_ratio,
-        patience=auto.patience, min_idle_fraction=auto.min_idle_fraction, initial_lag=auto.initial_lag,
-        judge=auto.judge, mismatch_window=auto.mismatch_window))
+    return LagController(LagControlSettings(**rollout.auto_lag.model_dump()))  # the same fields (a test)
 
 
 def segment_lags(trajectory: Trajectory, version: int) -> list[int]:

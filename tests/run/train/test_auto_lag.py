@@ -154,3 +154,17 @@ async def test_the_bound_follows_the_ess_and_a_resume_continues_from_the_checkpo
     trained = first.lags + second.lags
     assert all(lag <= admitted[group] <= 4 for group, lag in trained)
     assert max(lag for _, lag in trained) == 4
+
+
+def test_the_schema_sections_carry_their_owners_settings_field_for_field() -> None:
+    """`rollout.auto_lag` and `rollout.simulated_clock` document and validate rollout's settings and convert
+    whole (run/train/trainer.py): same names, same defaults — a field added to one side only fails here."""
+    import dataclasses
+
+    from configs.schema import AutoLagConfig, SimulatedClockConfig
+    from rollout.lag_control import LagControlSettings
+    from rollout.sim_clock import ClockSettings
+
+    assert set(AutoLagConfig.model_fields) == {f.name for f in dataclasses.fields(LagControlSettings)}
+    assert LagControlSettings(**AutoLagConfig().model_dump()) == LagControlSettings()
+    assert set(SimulatedClockConfig.model_fields) == {f.name for f in dataclasses.fields(ClockSettings)}
