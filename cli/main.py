@@ -310,6 +310,7 @@ def _train(args: argparse.Namespace) -> int:
     import asyncio
     import contextlib
 
+    from cli.interrupts import woken_by_signals
     from configs.loader import load_config, write_resolved_config
     from configs.schema import RunConfig
     from run.launch.allocator import active_allocator
@@ -337,9 +338,9 @@ def _train(args: argparse.Namespace) -> int:
                 console = stack.enter_context(divert_library_output(library_log))
                 print(f"vcpo train: engine and library output → {library_log} (-v shows it here); "
                       f"memory allocator: {active_allocator()}", file=console)
-            summary = asyncio.run(run_training(config, task, task_path, settings, cache_dir, run_dir,
-                                               progress=not args.no_progress,
-                                               stop_after_step=args.stop_after_step))
+            summary = asyncio.run(woken_by_signals(run_training(
+                config, task, task_path, settings, cache_dir, run_dir, progress=not args.no_progress,
+                stop_after_step=args.stop_after_step)))
     except KeyboardInterrupt:
         print(_interrupted_message(config, task, run_dir, cache_dir), file=sys.stderr, flush=True)
         # a learner step may still be running on its thread: the checkpoints are whole (written atomically),
@@ -386,8 +387,9 @@ def _eval(args: argparse.Namespace) -> int:
     import asyncio
 
     from cli.eval_command import run_evaluation
+    from cli.interrupts import woken_by_signals
 
-    return asyncio.run(run_evaluation(args, _cache_dir()))
+    return asyncio.run(woken_by_signals(run_evaluation(args, _cache_dir())))
 
 
 def _set_threads() -> None:

@@ -445,6 +445,41 @@ def _interrupt_when(process: subprocess.Popen, seen: str, timeout: float = 300) 
     raise AssertionError(f"never saw {seen!r}: {''.join(lines)[-3000:]}")
 
 
+def _signal_a_worker_thread(pid: int, signum: int) -> int:
+    """Send `signum` to one thread of `pid` other than its main one (Linux tgkill): what the kernel does with
+    a process-directed signal when the main thread already has one pending. The chosen thread id."""
+    import ctypes
+
+    tids = sorted(int(p.name) for p in Path(f"/proc/{pid}/task").iterdir() if int(p.name) != pid)
+    assert tids, "the run has no thread besides its main one"
+    if ctypes.CDLL(None, use_errno=True).syscall(234, pid, tids[0], signum) != 0:  # SYS_tgkill on x86-64
+        raise OSError(ctypes.get_errno(), "tgkill failed")
+    return tids[0]
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
+                    reason="sends a signal to one thread with the x86-64 Linux tgkill syscall")
+def test_ctrl_c_caught_by_a_worker_thread_still_stops_the_warm_start(tmp_path: Path, tiny_model_dir: Path
+                                                                       ) -> None:
+    """Python runs signal handlers in the main thread only; a SIGINT the kernel hands to another thread
+    used to wait for the main thread's next wake-up — the warm start's end — so the run trained on and
+    cached the model (a flake of the test below). The loop's wakeup fd ends it at once."""
+    config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=400, tool=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    warm = ["warm_start.enabled=true", "warm_start.examples=64", "warm_start.epochs=50",
+            "warm_start.batch_size=2", f"model.cache_dir={tmp_path / 'cache'}"]
+    process = subprocess.Popen([sys.executable, "-m", "cli", "train", str(config), *warm], cwd=ROOT, env=env,
+                               stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_enabled)
+    assert process.stderr is not None
+    while "[warm start] step 1/" not in (line := process.stderr.readline()):
+        assert line, "the run ended before its warm start"
+    _signal_a_worker_thread(process.pid, signal.SIGINT)
+    sent = time.monotonic()
+    _, rest = process.communicate(timeout=120)
+    assert process.returncode == 130 and time.monotonic() - sent < 30, rest[-3000:]
+    assert not list((tmp_path / "cache" / "warm_start").glob("*/config.json")), rest[-3000:]  # not trained on
+
+
 @needs_bwrap
 def test_ctrl_c_stops_the_warm_start_and_the_run_quickly_and_says_what_is_kept(tmp_path: Path,
                                                                                tiny_model_dir: Path) -> None:
