@@ -193,7 +193,7 @@ def test_a_server_that_dies_mid_run_fails_those_calls_and_the_run_goes_on_once_i
     solves the task again and finishes every step with every episode logged."""
     port = _free_port()
     server = _start_example_server(port)
-    run_dir, steps = tmp_path / "run", 10
+    run_dir, steps = tmp_path / "run", 8
     command = [*readme_command("train"), f"task={_http_task(tmp_path, f'http://127.0.0.1:{port}/mcp')}",
                f"model.path={memorised_dir}", "engine.backend=hf", f"run_dir={run_dir}",
                f"trainer.total_steps={steps}", "learner.device=cpu", "task_overrides=[dataset.limit=1]",
