@@ -23,6 +23,8 @@ from typing import Any
 
 from agent_env.evaluation.heldout import HeldoutResult, paired_change, result_from_file
 from benchmarks.schema import MainJobBenchConfig
+from run.observability import metric_names as names
+from run.observability.metrics_log import read_metrics
 from run.observability.trend import reward_trend
 from run.train.warm_start import is_search_program
 
@@ -131,9 +133,29 @@ def summarize_seed(evidence: Path, min_gain: float) -> dict[str, Any]:
         "run_wall_s": round(summary["wall_s"], 1),
         "phases_s": {name: round(seconds, 1) for name, seconds in summary["phases_s"].items()},
         "host": summary["host"],
+        "learner": _learner_load(evidence),
         **_eval_sets(evidence),
         **_base_model(evidence),
     }
+
+
+def _learner_load(evidence: Path) -> dict[str, float | None]:
+    """What the learner did per step, averaged over the run's steps: its seconds, the sampled tokens it
+    trained, every token it read (contexts included: what a managed context's repeated contexts cost), and
+    the episodes' segments and compactions. None where the run did not log the metric."""
+    if not (evidence / "metrics.jsonl").is_file():
+        return {}
+    steps = [r for r in read_metrics(evidence) if r.get("trainer_step", 0) >= 1]
+
+    def mean(name: str) -> float | None:
+        values = [float(r[name]) for r in steps if r.get(name) is not None]
+        return round(sum(values) / len(values), 2) if values else None
+
+    return {"learner_s_per_step": mean(names.TIME_TRAIN),
+            "tokens_trained_per_step": mean(names.TOKENS_TRAINED),
+            "tokens_read_per_step": mean(names.TOKENS_LEARNER_INPUT),
+            "segments_per_episode": mean(names.ROLLOUT_SEGMENTS_MEAN),
+            "compactions_per_episode": mean(names.ROLLOUT_COMPACTIONS_MEAN)}
 
 
 def _eval_sets(evidence: Path) -> dict[str, Any]:

@@ -79,6 +79,9 @@ GRAD_NORM = "grad/norm"
 # --- Tokens, time and throughput. --------------------------------------------------------------
 TOKENS_GENERATED = "tokens/generated"
 """Response tokens sampled by the engine for this step's trajectories."""
+TOKENS_LEARNER_INPUT = "tokens/learner_input"
+"""Every token of the step's trajectories the learner reads: prompts, observations and sampled tokens of
+every segment (a compacted episode's later segments each repeat a context)."""
 TIME_GENERATE = "time/generate"
 """Seconds the rollout side spent generating this step's batch (overlaps training when async)."""
 TIME_TRAIN = "time/train"
@@ -243,6 +246,7 @@ OPTIONAL = (
     TIME_LEARNER_GRADIENT,
     TIME_LEARNER_OPTIMIZER,
     PERF_TOKENS_PER_S,
+    TOKENS_LEARNER_INPUT,
     ROLLOUT_TURNS_MEAN,
     ROLLOUT_TOOL_CALLS_MEAN,
     ROLLOUT_TOOL_ERRORS_MEAN,
@@ -401,6 +405,7 @@ __all__ = [
     "TIME_TRAIN",
     "TIME_WEIGHT_SYNC",
     "TOKENS_GENERATED",
+    "TOKENS_LEARNER_INPUT",
     "TOKENS_TRAINED",
     "TOOL_PARSE_ERRORS",
     "TOOL_UNKNOWN",

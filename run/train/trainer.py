@@ -164,6 +164,7 @@ def rollout_metrics(batch: StepInput, version: int) -> dict[str, float]:
         "rollout/response_tokens_mean": sum(t.num_sampled_tokens for t in trajectories) / n,
         "rollout/filtered_frac": sum(not kept for kept in batch.is_trained) / n,
         "tokens/generated": float(sum(t.num_sampled_tokens for t in trajectories)),
+        names.TOKENS_LEARNER_INPUT: float(sum(len(t.token_ids) for t in trajectories)),
         "tool/parse_errors": float(sum(t.task.tool_parse_errors for t in trajectories)),
         "tool/unknown": float(sum(t.task.tool_unknown for t in trajectories)),
     }
