@@ -185,8 +185,21 @@ def _config_check(args: argparse.Namespace) -> int:
         config = load_config(args.file, RunConfig, args.overrides)
         load_task(config.task, config.task_overrides, relative_to=args.file.parent)
         engine_settings(config.engine, str(args.file))
+        _check_algorithm(config, args.file)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
+
+
+def _check_algorithm(config: Any, source: Path) -> None:
+    """The run's objective and correction stages built once (a `type: custom` one imported): a ConfigError
+    naming the file and the field, before any model is loaded."""
+    from configs.loader import ConfigError
+    from learner.backends.algorithm_from_config import PluginError, check_algorithm
+
+    try:
+        check_algorithm(config.algo)
+    except PluginError as exc:
+        raise ConfigError(str(source), [str(exc)]) from None
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
@@ -322,6 +335,7 @@ def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, RunConfig, args.overrides)
     task, task_path = load_task(config.task, config.task_overrides, relative_to=args.config.parent)
     settings = engine_settings(config.engine, str(args.config))
+    _check_algorithm(config, args.config)
     run_dir = Path(config.run_dir)
     cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else _cache_dir()
     library_log = None if args.verbose else run_dir / "logs" / "libraries.log"

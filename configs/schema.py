@@ -257,11 +257,28 @@ class VCPOObjective(StrictModel):
     """The baseline's options."""
 
 
+_IMPORT_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
+class CustomObjective(StrictModel):
+    """Your own objective, imported by path (docs/extending.md): a frozen dataclass subclassing
+    `vcpo.objectives.base.ObjectiveBase` (or one of the shipped objectives), its fields its hyperparameters.
+    The shared loss terms (loss_aggregation, kl_coef, kl_estimator, entropy_coef) come from `algo` as for any
+    objective."""
+
+    type: Literal["custom"] = "custom"
+    """Objective name."""
+    import_path: str = Field(pattern=_IMPORT_PATH)
+    """`package.module:ClassName`, importable where vcpo runs (installed, or on PYTHONPATH)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Its hyperparameters (the dataclass's fields), as keyword arguments."""
+
+
 Objective = Annotated[
     GRPOObjective | DrGRPOObjective | RLOOObjective | ReinforceObjective | TokenTISObjective
     | SeqTISObjective | MISObjective | M2POObjective | BAPOObjective | GSPOObjective | CISPOObjective
     | TBAObjective | OTBObjective
-    | VCPOObjective,
+    | VCPOObjective | CustomObjective,
     Field(discriminator="type"),
 ]
 
@@ -364,9 +381,22 @@ class OPSMCorrection(StrictModel):
     """KL threshold δ (slime's default 1e-4)."""
 
 
+class CustomCorrection(StrictModel):
+    """Your own correction stage, imported by path (docs/extending.md): a frozen dataclass with a `label` (its
+    metrics' name), a `level` ('token', 'sequence' or 'truncation') and `keep(view)` (a rejection) or
+    `uncapped(view)` and a `cap` field (the truncation) — vcpo/corrections.py's stages are the models."""
+
+    type: Literal["custom"] = "custom"
+    """Stage name."""
+    import_path: str = Field(pattern=_IMPORT_PATH)
+    """`package.module:ClassName`, importable where vcpo runs."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Its parameters (the dataclass's fields), as keyword arguments."""
+
+
 Correction = Annotated[
     TokenTISCorrection | SeqTISCorrection | TokenRejectCorrection | SeqRejectCorrection | GeoRejectCorrection
-    | K3RejectCorrection | OPSMCorrection,
+    | K3RejectCorrection | OPSMCorrection | CustomCorrection,
     Field(discriminator="type"),
 ]
 
@@ -377,6 +407,8 @@ def correction_label(stage: StrictModel) -> str:
     """The stage's name in metrics (`correction/<label>/…`): its type; a k3_reject other than the mean
     adds its reduction."""
     kind = stage.type  # type: ignore[attr-defined]
+    if kind == "custom":  # its class's label is known once imported (the learner checks it is unique)
+        return f"custom:{stage.import_path}"  # type: ignore[attr-defined]
     reduce = getattr(stage, "reduce", "mean")
     return kind if reduce == "mean" else f"{kind}_{reduce}"
 
@@ -385,6 +417,8 @@ def takes_truncation(objective: StrictModel) -> bool:
     """Whether a truncation stage may weight `objective`'s loss: not where the objective weighs it by a
     behaviour ratio of its own (vcpo/objectives `accepts_token_weights`; a test keeps the two equal)."""
     kind = objective.type  # type: ignore[attr-defined]
+    if kind == "custom":  # its class says (`takes_token_weights`), checked when the learner builds it
+        return True
     if kind in ("gspo", "cispo"):
         return objective.ratio_to == "proximal"  # type: ignore[attr-defined]
     if kind == "otb":
