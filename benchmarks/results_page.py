@@ -6,8 +6,9 @@ its file,
     | ... |
     <!-- end generated -->
 
-and `python -m benchmarks.results_page` rewrites every such block from its file (`--check`: exits 1
-and names the blocks that differ, writing nothing). tests/test_docs.py runs the check.
+(a folder instead of a file: its JSON files by name) and `python -m benchmarks.results_page` rewrites every
+such block from its file (`--check`: exits 1 and names the blocks that differ, writing nothing).
+tests/test_docs.py runs the check.
 """
 
 from __future__ import annotations
@@ -316,6 +317,69 @@ def long_horizon_seeds(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _retention_at_top(data: dict[str, Any], numerics: str | None = None) -> tuple[int, dict[str, Any]]:
+    """(the largest lag, method → its retention row there) of a staleness summary."""
+    numerics = numerics or next(e["numerics"] for e in data["summary"] if e["status"] == "ok")
+    rows = [r for r in data["retention"] if r["numerics"] == numerics]
+    top = max(r["lag"] for r in rows)
+    return top, {r["method"]: r for r in rows if r["lag"] == top}
+
+
+def _kept(row: dict[str, Any]) -> str:
+    half = row["retention_ci95"]
+    return f"{100 * row['retention']:.0f}%" + (f" ± {100 * half:.0f}%" if half is not None else "")
+
+
+def results_at_a_glance(files: dict[str, Any]) -> str:
+    """The README's results: one row per claim, each from its committed JSON (`docs/results/<name>.json`),
+    with where the full table is. A claim whose file is not there yet is left out."""
+    rows = ["| what | result | the full table |", "| --- | --- | --- |"]
+    main = files.get("main_job")
+    if main is not None:
+        gains = [row["gain"] for row in main["seeds"].values()]
+        above = all(row["gain_low"] > 0 for row in main["seeds"].values())
+        rows.append(f"| the main job: held-out Countdown success in 10 asynchronous VCPO steps, 135M model, "
+                    f"2-core CPU | {_points(min(gains))} to {_points(max(gains))} points on "
+                    f"{len(gains)} seeds, every interval above 0: {'yes' if above else 'no'}; "
+                    f"{main['process_wall_s_max'] / 60:.0f} min a run at most | "
+                    "[results.md](docs/results.md), \"The main job\" |")
+    horizon = files.get("long_horizon")
+    if horizon is not None:
+        tests = [row["eval_sets"]["test"] for row in horizon["seeds"].values()]
+        above = all(t.get("gain_low", -1) > 0 for t in tests)
+        rows.append(f"| a long-horizon agent: 6–9 sandbox calls an episode, history compacted past its "
+                    f"budget | test success {_points(min(t['gain'] for t in tests))} to "
+                    f"{_points(max(t['gain'] for t in tests))} points on {len(tests)} seeds, every "
+                    f"interval above 0: {'yes' if above else 'no'} | "
+                    "[examples/long_horizon](examples/long_horizon/README.md) |")
+    synthetic, broad = files.get("staleness_10seeds"), files.get("staleness_5seeds")
+    if synthetic is not None and broad is not None:
+        top, kept = _retention_at_top(synthetic, "matched")
+        _, wide = _retention_at_top(broad, "matched")
+        rows.append(f"| staleness, synthetic task: the share of its k = 0 score a method keeps at k = {top} "
+                    f"| VCPO {_kept(kept['vcpo_spec'])} (10 seeds); uncorrected GRPO "
+                    f"{_kept(wide['grpo'])}, token TIS {_kept(wide['token_tis'])} (5 seeds) | "
+                    "[results.md](docs/results.md), \"Staleness on a synthetic task\" |")
+    real = files.get("staleness_real_answer")
+    if real is not None:
+        top, kept = _retention_at_top(real)
+        rows.append(f"| staleness, the real agent task (the main job's model and task, 80 steps) | "
+                    f"at k = {top}: VCPO {_kept(kept['vcpo_spec'])}, sequence TIS {_kept(kept['seq_tis'])}, "
+                    f"uncorrected GRPO {_kept(kept['grpo'])} ({len(real['config']['seeds'])} seeds; GRPO "
+                    f"{_kept_text(kept['grpo'], 0.80)}) | "
+                    "[results.md](docs/results.md), \"Staleness on the real agent task\" |")
+    learner = files.get("bench_learner_long_h200")
+    if learner is not None:
+        fast = [r for r in learner["rows"] if r.get("row") == "vcpo_fast" and r.get("length") == 16384
+                and r.get("backend") == "torch" and "step_s_mean" in r]
+        if fast:
+            plain = min(fast, key=lambda r: r["recompute"])
+            rows.append(f"| the learner: one VCPO step over 4 × 16k-token trajectories, Qwen2.5-1.5B shape, "
+                        f"one H200 | {plain['step_s_mean']:.2f} s at {100 * plain['mfu']:.0f}% of the bf16 "
+                        "matmul peak | [performance.md](docs/performance.md) |")
+    return "\n".join(rows) + "\n"
+
+
 def _span(values: list[float], fmt: str, unit: str = "") -> str:
     """'12.7 min' for one value (or equal ones), '9.6–15.2 min' for several: how far repeated runs spread."""
     low, high = fmt.format(min(values)), fmt.format(max(values))
@@ -543,6 +607,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "main_job_readme": main_job_readme,
     "main_job_other_runs": main_job_other_runs,
     "long_horizon_seeds": long_horizon_seeds,
+    "results_at_a_glance": results_at_a_glance,
     "gpu_check_parts": gpu_check_parts,
     "bench_sandbox": bench_sandbox,
     "bench_learner": bench_learner,
@@ -561,7 +626,10 @@ def render(text: str, root: Path = ROOT) -> tuple[str, list[str]]:
         name, path = match["name"], match["path"]
         if name not in RENDERERS:
             raise ValueError(f"no renderer {name!r}; known: {', '.join(sorted(RENDERERS))}")
-        body = RENDERERS[name](json.loads((root / path).read_text()))
+        source = root / path
+        data = ({p.stem: json.loads(p.read_text()) for p in sorted(source.glob("*.json"))} if source.is_dir()
+                else json.loads(source.read_text()))
+        body = RENDERERS[name](data)
         if body != match["body"]:
             changed.append(name)
         return match.group(1) + body + match.group(5)
