@@ -61,6 +61,14 @@ def episode_settings(task: TaskConfig, seed: int | None = None, *, for_eval: boo
     )
 
 
+class ProgramEpisodes(Protocol):
+    """Episodes run by the user's agent program instead of the built-in loop (agent_env/programs/)."""
+
+    async def episode(self, sample: Sample, trajectory_id: str, group_id: str, task_name: str) -> Episode: ...
+
+    def counters(self) -> dict[str, float]: ...
+
+
 @dataclass(frozen=True)
 class LiveCounts:
     """What the rollout side has done so far in this process (running totals)."""
@@ -87,6 +95,8 @@ class TaskRuntime:
     prompt_cache: dict[str, list[int]] = field(default_factory=dict)
     episodes_running: int = 0
     episodes_finished: int = 0
+    program: ProgramEpisodes | None = None
+    """`loop.program`'s runner: every episode is one run of the user's program."""
 
     def prompt_ids(self, sample: Sample) -> list[int]:
         if sample.sample_id not in self.prompt_cache:
@@ -99,10 +109,13 @@ class TaskRuntime:
                       group_id: str) -> Episode:
         self.episodes_running += 1
         try:
-            episode = await run_episode(
-                self.engine, self.tokenizer, self.prompt_ids(sample), settings,
-                lambda text: self.reward(text, sample), tool=self.tool, trajectory_id=trajectory_id,
-                group_id=group_id, task_name=self.task.name, sample_id=sample.sample_id)
+            if self.program is not None:
+                episode = await self.program.episode(sample, trajectory_id, group_id, self.task.name)
+            else:
+                episode = await run_episode(
+                    self.engine, self.tokenizer, self.prompt_ids(sample), settings,
+                    lambda text: self.reward(text, sample), tool=self.tool, trajectory_id=trajectory_id,
+                    group_id=group_id, task_name=self.task.name, sample_id=sample.sample_id)
         finally:
             self.episodes_running -= 1
         self.episodes_finished += 1
@@ -120,7 +133,9 @@ class TaskRuntime:
 
     def counters(self) -> dict[str, float]:
         """Running totals logged every step."""
-        return {"rollout/skipped_samples": self.skipped_samples, "rollout/reward_errors": self.reward_errors}
+        counts = {"rollout/skipped_samples": self.skipped_samples,
+                  "rollout/reward_errors": self.reward_errors}
+        return {**counts, **(self.program.counters() if self.program is not None else {})}
 
 
 class RolloutRuntime(Protocol):

@@ -232,6 +232,15 @@ class LoopConfig(StrictModel):
     not run and the model sees an error for each."""
     context: ContextConfig = Field(default_factory=ContextConfig)
     """What each turn reads: appended (the default), reasoning stripped, history compacted."""
+    program: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """An agent written as a program instead of the built-in loop: `package.module:function`, an async
+    function `(base_url, sample)` that calls the OpenAI-compatible endpoint at `base_url` and returns a
+    reward (a number), its final answer (a string, scored by the task's reward) or None (the last reply is
+    scored). Its calls are the episode's trained tokens (docs/agent_loop.md); the turn budgets above bound
+    each call, `max_total_tokens` each call's context and answer."""
+    program_timeout_s: float = Field(600.0, gt=0)
+    """Seconds one run of `program` may take; past it the episode is dropped and counted (its group is
+    replaced by a fresh prompt, as for any failed group)."""
 
     @model_validator(mode="after")
     def _check_context(self) -> LoopConfig:

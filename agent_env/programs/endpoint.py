@@ -182,6 +182,7 @@ class ProgramEndpoint:
             raise self._malformed(f"the chat template cannot render these messages ({exc})") from None
         result, calls = await self._generate(key, recorder, context, body, with_tools=bool(tools))
         text = self.tokenizer.decode(list(result.token_ids), skip_special_tokens=True)
+        recorder.texts.append(text)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = "length" if result.finish_reason == "length" else "stop"
         good = [call for call in calls if call.error is None]
@@ -205,10 +206,11 @@ class ProgramEndpoint:
             raise self._malformed("`prompt` must be a non-empty string")
         context = self.tokenizer.encode(prompt, add_special_tokens=False)
         result, _ = await self._generate(key, recorder, context, body, with_tools=False)
+        text = self.tokenizer.decode(list(result.token_ids), skip_special_tokens=True)
+        recorder.texts.append(text)
         return {"id": f"cmpl-{key}-{recorder.calls}", "object": "text_completion",
                 "created": int(time.time()), "model": str(body.get("model") or "vcpo-policy"),
-                "choices": [{"index": 0, "text": self.tokenizer.decode(list(result.token_ids),
-                                                                       skip_special_tokens=True),
+                "choices": [{"index": 0, "text": text,
                              "finish_reason": "length" if result.finish_reason == "length" else "stop"}],
                 "usage": _usage(context, result.token_ids)}
 

@@ -28,6 +28,8 @@ class EpisodeRecorder:
     """The most tokens one call's context and its answer may hold (the task's `loop.max_total_tokens`)."""
     builder: TrajectoryBuilder | None = None
     calls: int = 0
+    texts: list[str] = field(default_factory=list)
+    """Each call's reply as the program received it (what is scored when the program returns no reward)."""
     finish_reason: str = "stop"
     is_truncated: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

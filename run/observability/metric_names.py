@@ -125,6 +125,12 @@ ROLLOUT_SEGMENTS_MEAN = "rollout/segments_mean"
 """Segments per trajectory: 1 unless `loop.context` stripped reasoning or compacted the history."""
 ROLLOUT_COMPACTIONS_MEAN = "rollout/compactions_mean"
 """Times per trajectory the history was compacted (`loop.context.compaction`)."""
+PROGRAM_CRASHED = "program/crashed"
+"""`loop.program`: runs of the agent program that raised (running total; each dropped its group)."""
+PROGRAM_TIMED_OUT = "program/timed_out"
+"""`loop.program`: runs past `loop.program_timeout_s` (running total)."""
+PROGRAM_NEVER_CALLED = "program/never_called"
+"""`loop.program`: runs that never called the endpoint (running total)."""
 STALENESS_SEGMENT_MEAN = "staleness/segment_mean"
 """Mean lag of the step's segments, each from its first sampled token's version (an episode's later
 segments can be fresher than its first, whose lag is the episode's: staleness/mean)."""
@@ -256,6 +262,9 @@ OPTIONAL = (
     ROLLOUT_FILTERED_FRAC,
     ROLLOUT_SEGMENTS_MEAN,
     ROLLOUT_COMPACTIONS_MEAN,
+    PROGRAM_CRASHED,
+    PROGRAM_TIMED_OUT,
+    PROGRAM_NEVER_CALLED,
     STALENESS_SEGMENT_MEAN,
     STALENESS_SEGMENT_MAX,
     TOOL_PARSE_ERRORS,
@@ -363,6 +372,9 @@ __all__ = [
     "PG_CLIP_FRAC",
     "PG_MASKED_FRAC",
     "POLICY_VERSION",
+    "PROGRAM_CRASHED",
+    "PROGRAM_NEVER_CALLED",
+    "PROGRAM_TIMED_OUT",
     "REQUIRED_EVERY_STEP",
     "REWARD_MAX",
     "REWARD_MEAN",

@@ -71,9 +71,28 @@ def load_task(spec: str | Path, overrides: Sequence[str] = (), relative_to: Path
         build_reward(task.reward, task.answer)
     except RewardConfigError as exc:
         problems.append(f"reward.function: {exc}")
+    if task.loop.program is not None:
+        problems += _program_problems(task)
     if problems:
         raise ConfigError(str(path), problems)
     return task, path
+
+
+def _program_problems(task: TaskConfig) -> list[str]:
+    """An agent program must import, and its tool calls be readable (the endpoint parses them)."""
+    from agent_env.programs.runner import ProgramConfigError, import_program
+
+    problems = []
+    try:
+        import_program(task.loop.program or "")
+    except ProgramConfigError as exc:
+        problems.append(str(exc))
+    if task.loop.tool_format != "function_call":
+        try:
+            resolve_parser(task.loop.tool_parser)
+        except ParserConfigError as exc:
+            problems.append(f"loop.tool_parser: {exc}")
+    return problems
 
 
 def _tool_problems(task: TaskConfig) -> list[str]:
@@ -155,8 +174,11 @@ async def task_runtime(
         tool = await _enter_tools(stack, task, task_path, tokenizer)
         engine = await start_engine(settings, model_dir, tokenizer)
         try:
+            program = None
+            if task.loop.program is not None:
+                program = await _program_runner(stack, task, engine, tokenizer, reward)
             yield TaskRuntime(task, loaded.samples, reward, tokenizer, engine, tool,
-                              skipped_samples=loaded.skipped)
+                              skipped_samples=loaded.skipped, program=program)
         finally:
             await engine.close()
 
@@ -184,6 +206,20 @@ async def remote_engine_runtime(stack: contextlib.AsyncExitStack, task: TaskConf
     runner = tool if tool is not None else await _enter_tools(stack, task, task_path, tokenizer)
     return TaskRuntime(task, loaded.samples, reward, tokenizer, engine, runner,
                        skipped_samples=loaded.skipped)
+
+
+async def _program_runner(stack: contextlib.AsyncExitStack, task: TaskConfig, engine: Any,
+                          tokenizer: Any, reward: Any) -> Any:
+    """`loop.program`'s runner: the endpoint of `engine` served on `stack`, the run's sampling and budgets."""
+    from agent_env.programs.endpoint import EndpointSettings, ProgramEndpoint
+    from agent_env.programs.runner import ProgramRunner, import_program
+
+    loop = task.loop
+    settings = EndpointSettings(max_total_tokens=loop.max_total_tokens,
+                                max_new_tokens_per_call=loop.max_new_tokens_per_turn,
+                                temperature=loop.temperature, top_p=loop.top_p, tool_parser=loop.tool_parser)
+    endpoint = await stack.enter_async_context(ProgramEndpoint(engine, tokenizer, settings))
+    return ProgramRunner(endpoint, import_program(loop.program or ""), reward, loop.program_timeout_s)
 
 
 @dataclass(frozen=True)

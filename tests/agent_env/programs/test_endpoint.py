@@ -142,3 +142,49 @@ async def test_bad_requests_get_errors_and_counts_and_touch_no_other_episode() -
     assert record.calls == 1  # the refused requests recorded nothing
     assert endpoint.counts.as_dict() == {"unknown_session": 1, "ended_session": 1, "malformed": 1,
                                          "over_budget": 1, "engine_errors": 0}
+
+
+def _program_run(tmp_path: Path, tiny_model_dir: Path, steps: int) -> Path:
+    import yaml
+
+    from tests.run.train.test_train_e2e import _write_configs
+
+    config = _write_configs(tmp_path, tiny_model_dir, max_lag=1, steps=steps, tool=False)
+    task_file = tmp_path / "task.yaml"
+    task = yaml.safe_load(task_file.read_text())
+    task["loop"].update(program="tests.agent_env.programs.sdk_agent:two_calls", program_timeout_s=120,
+                        max_total_tokens=400)
+    task_file.write_text(yaml.safe_dump(task))
+    return config
+
+
+def test_vcpo_train_runs_episodes_of_an_sdk_program(tmp_path: Path, tiny_model_dir: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`loop.program` in a real `vcpo train`: every episode is one run of the program (two calls through
+    the endpoint); one run crashes — its group is dropped, counted and replaced, and the run goes on."""
+    import json
+
+    from run.observability.metrics_log import read_metrics
+    from tests.agent_env.programs.sdk_agent import CRASH_MARKER
+    from tests.run.train.test_train_e2e import _vcpo
+
+    monkeypatch.setenv(CRASH_MARKER, str(tmp_path / "crashed-once"))
+    config = _program_run(tmp_path, tiny_model_dir, steps=2)
+    result = _vcpo("train", str(config), "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path / "run")
+    assert [r["trainer_step"] for r in records] == [1, 2]
+    assert records[-1]["program/crashed"] == 1 and records[-1]["rollout/failed_groups"] == 1
+    lines = (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()
+    episodes = [json.loads(line) for line in lines]
+    assert len(episodes) == 2 * 2 * 4 and all(e["turns"] == 2 for e in episodes)  # two calls each
+
+
+def test_a_program_that_does_not_import_is_refused_when_the_task_loads(tmp_path: Path) -> None:
+    from configs.loader import ConfigError
+    from run.train.wiring import load_task
+
+    with pytest.raises(ConfigError) as info:
+        load_task("configs/tasks/countdown.yaml", ["loop.program=tests.agent_env.programs.sdk_agent:nope"])
+    assert "loop.program='tests.agent_env.programs.sdk_agent:nope'" in str(info.value)
+    assert "has no async function 'nope'" in str(info.value)
