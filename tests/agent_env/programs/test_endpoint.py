@@ -188,3 +188,13 @@ def test_a_program_that_does_not_import_is_refused_when_the_task_loads(tmp_path:
         load_task("configs/tasks/countdown.yaml", ["loop.program=tests.agent_env.programs.sdk_agent:nope"])
     assert "loop.program='tests.agent_env.programs.sdk_agent:nope'" in str(info.value)
     assert "has no async function 'nope'" in str(info.value)
+
+
+def test_evaluations_during_training_of_a_program_task_are_refused_for_now(tmp_path: Path,
+                                                                           tiny_model_dir: Path) -> None:
+    """They would run the built-in loop, not the program: refused up front, naming the fields."""
+    from tests.run.train.test_train_e2e import _vcpo
+
+    config = _program_run(tmp_path, tiny_model_dir, steps=2)
+    result = _vcpo("config", "check", str(config), "trainer.eval_every=1")
+    assert result.returncode == 2 and "set trainer.eval_every=0" in result.stderr, result.stderr[-2000:]
