@@ -64,7 +64,8 @@ def episode_settings(task: TaskConfig, seed: int | None = None, *, for_eval: boo
 class ProgramEpisodes(Protocol):
     """Episodes run by the user's agent program instead of the built-in loop (agent_env/programs/)."""
 
-    async def episode(self, sample: Sample, trajectory_id: str, group_id: str, task_name: str) -> Episode: ...
+    async def episode(self, sample: Sample, settings: EpisodeSettings, trajectory_id: str, group_id: str,
+                      task_name: str) -> Episode: ...
 
     def counters(self) -> dict[str, float]: ...
 
@@ -110,7 +111,8 @@ class TaskRuntime:
         self.episodes_running += 1
         try:
             if self.program is not None:
-                episode = await self.program.episode(sample, trajectory_id, group_id, self.task.name)
+                episode = await self.program.episode(sample, settings, trajectory_id, group_id,
+                                                     self.task.name)
             else:
                 episode = await run_episode(
                     self.engine, self.tokenizer, self.prompt_ids(sample), settings,

@@ -161,7 +161,7 @@ async def run_evaluation(args: argparse.Namespace, cache_dir: Path) -> int:
             summary = await evaluate(
                 runtime.engine, tokenizer, runtime.tool, system=task.prompt.system, user=task.prompt.user,
                 samples=runtime.samples, reward=runtime.reward, settings=settings, k=k, out_path=out,
-                meta=meta, task_name=task.name, on_sample=on_sample)
+                meta=meta, task_name=task.name, on_sample=on_sample, program=runtime.program)
         except EvalFileError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

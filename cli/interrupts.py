@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import signal
 import socket
+import threading
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -28,7 +29,10 @@ def _drain(sock: socket.socket) -> None:
 
 async def woken_by_signals(awaitable: Awaitable[T]) -> T:
     """Await `awaitable` with the running loop woken by any signal, on any thread. Leaves an existing
-    wakeup fd alone (a loop with its own signal handlers already has one)."""
+    wakeup fd alone (a loop with its own signal handlers already has one); off the main thread (vcpo's
+    commands called from a thread) there is nothing to wake."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        return await awaitable
     loop = asyncio.get_running_loop()
     reader, writer = socket.socketpair()
     reader.setblocking(False)

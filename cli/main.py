@@ -183,25 +183,11 @@ def _config_check(args: argparse.Namespace) -> int:
         config = load_config(args.file, bench_schema_of(args.file), args.overrides)
     else:  # a run config: its task and engine sections are checked too
         config = load_config(args.file, RunConfig, args.overrides)
-        task, _ = load_task(config.task, config.task_overrides, relative_to=args.file.parent)
+        load_task(config.task, config.task_overrides, relative_to=args.file.parent)
         engine_settings(config.engine, str(args.file))
         _check_algorithm(config, args.file)
-        _check_program_evaluations(config, task, args.file)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
-
-
-def _check_program_evaluations(config: Any, task: Any, source: Path) -> None:
-    """The evaluations during training run the built-in loop: not yet an agent program's episodes."""
-    from configs.loader import ConfigError
-
-    own_task_sets = [spec.name for spec in config.trainer.eval_sets if spec.task is None]
-    if task.loop.program is not None and (config.trainer.eval_every or own_task_sets):
-        raise ConfigError(str(source), [
-            "trainer.eval_every / trainer.eval_sets: the task's episodes are an agent program "
-            f"(loop.program={task.loop.program}), which the evaluations during training do not run yet (they "
-            "would score the built-in loop instead); set trainer.eval_every=0 and give eval sets a task of "
-            "their own"])
 
 
 def _check_algorithm(config: Any, source: Path) -> None:
@@ -350,7 +336,6 @@ def _train(args: argparse.Namespace) -> int:
     task, task_path = load_task(config.task, config.task_overrides, relative_to=args.config.parent)
     settings = engine_settings(config.engine, str(args.config))
     _check_algorithm(config, args.config)
-    _check_program_evaluations(config, task, args.config)
     run_dir = Path(config.run_dir)
     cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else _cache_dir()
     library_log = None if args.verbose else run_dir / "logs" / "libraries.log"

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from agent_env.evaluation.metrics import summarize
 from agent_env.loop import EpisodeSettings, prompt_tools, run_episode
 from agent_env.prompts import render_messages, render_prompt_ids
+from agent_env.runtime import ProgramEpisodes
 from agent_env.samples import Sample
 from rollout.base import InferenceEngine
 from tools.base import Tool
@@ -81,6 +82,15 @@ def _record(sample: Sample, index: int, episode: Any) -> dict[str, Any]:
     }
 
 
+def _failed_record(sample: Sample, index: int, error: Exception) -> dict[str, Any]:
+    """An agent program's run that failed (raised, timed out, never called): scored 0, the reason kept."""
+    return {"kind": "sample", "sample_id": sample.sample_id, "index": index, "reward": 0.0,
+            "is_correct": False, "extracted": None, "gold": sample.answer, "reward_error": None,
+            "program_error": str(error)[:300],
+            "tool_calls": 0, "tool_errors": 0, "turns": [], "tool_parse_errors": 0, "tool_unknown": 0,
+            "is_truncated": False, "void_turns": 0, "response_tokens": 0, "seconds": 0.0}
+
+
 async def evaluate(
     engine: InferenceEngine,
     tokenizer: PreTrainedTokenizerBase,
@@ -97,8 +107,10 @@ async def evaluate(
     concurrency: int = 64,
     task_name: str = "",
     on_sample: Callable[[dict[str, Any]], None] = lambda _r: None,
+    program: ProgramEpisodes | None = None,
 ) -> dict[str, Any]:
-    """Run every (problem, j < k) not yet in `out_path`; return the summary of the whole file."""
+    """Run every (problem, j < k) not yet in `out_path`; return the summary of the whole file. With
+    `program` (a task's `loop.program`), each episode is one run of the user's agent program."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     finished = read_finished(out_path, meta)
     done = {(r["sample_id"], r["index"]) for r in finished}
@@ -116,12 +128,21 @@ async def evaluate(
                 if settings.seed is not None:  # distinct, reproducible per (problem, sample)
                     seed = settings.seed + 7919 * index + zlib.crc32(sample.sample_id.encode())
                 seeded = EpisodeSettings(**{**vars(settings), "seed": seed})
-                episode = await run_episode(engine, tokenizer, prompt, seeded,
-                                            lambda text: reward(text, sample),
-                                            tool=tool, trajectory_id=f"{sample.sample_id}#{index}",
-                                            group_id=sample.sample_id, task_name=task_name,
-                                            sample_id=sample.sample_id)
-            record = _record(sample, index, episode)
+                episode: Any = None
+                if program is not None:
+                    try:
+                        episode = await program.episode(sample, seeded, f"{sample.sample_id}#{index}",
+                                                        sample.sample_id, task_name)
+                    except Exception as exc:  # the user's program failed: a wrong sample, never the run
+                        record = _failed_record(sample, index, exc)
+                else:
+                    episode = await run_episode(engine, tokenizer, prompt, seeded,
+                                                lambda text: reward(text, sample),
+                                                tool=tool, trajectory_id=f"{sample.sample_id}#{index}",
+                                                group_id=sample.sample_id, task_name=task_name,
+                                                sample_id=sample.sample_id)
+            if episode is not None:
+                record = _record(sample, index, episode)
             handle.write(json.dumps(record, default=str) + "\n")
             handle.flush()
             os.fsync(handle.fileno())

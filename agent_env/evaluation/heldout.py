@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from agent_env.evaluation.evaluate import EvalFileError, evaluate, read_finished, summary_of
 from agent_env.loop import EpisodeSettings
 from agent_env.prompts import render_messages
+from agent_env.runtime import ProgramEpisodes
 from agent_env.samples import Sample
 from rollout.base import InferenceEngine
 from tools.base import Tool
@@ -239,8 +240,11 @@ class HeldoutEvaluator:
     def __init__(self, heldout: HeldoutSet, *, engine: InferenceEngine, tokenizer: PreTrainedTokenizerBase,
                  tool: Tool | Toolbox | None, system: str | None, user: str,
                  reward: Callable[[str, Sample], Any], settings: EpisodeSettings, k: int, out_dir: Path,
-                 concurrency: int, task_name: str, label: str = "held-out") -> None:
+                 concurrency: int, task_name: str, label: str = "held-out",
+                 program: ProgramEpisodes | None = None) -> None:
         self.heldout, self.engine, self.tokenizer, self.tool = heldout, engine, tokenizer, tool
+        self.program = program
+        """The task's agent program, whose runs the episodes are (`loop.program`); None: the built-in loop."""
         self.system, self.user, self.reward, self.settings = system, user, reward, settings
         self.k, self.out_dir, self.concurrency, self.task_name = k, out_dir, concurrency, task_name
         self.label = label
@@ -303,7 +307,7 @@ class HeldoutEvaluator:
         await evaluate(self.engine, self.tokenizer, self.tool, system=self.system, user=self.user,
                        samples=self.heldout.samples, reward=self.reward, settings=self.settings, k=self.k,
                        out_path=self.path(version), meta=self.meta(version), concurrency=self.concurrency,
-                       task_name=self.task_name)
+                       task_name=self.task_name, program=self.program)
         records = read_finished(self.path(version), self.meta(version))
         seconds = time.perf_counter() - started
         result = result_from_records(version, records, self.heldout.samples, self.k, seconds)

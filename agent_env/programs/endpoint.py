@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import secrets
 import socket
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ from rollout.base import InferenceEngine
 from rollout.errors import EngineError
 from rollout.types import GenerationRequest, SamplingParams
 
+_ENDED_KEPT = 100_000
+"""Ended sessions remembered (to answer their late calls with 409 rather than 404)."""
+
 
 @dataclass(frozen=True)
 class EndpointSettings:
@@ -50,6 +54,15 @@ class EndpointSettings:
     top_k: int = 0
     tool_parser: str = "hermes"
     """How the model's tool calls are read from its text (`loop.tool_parser`)."""
+    seed: int | None = None
+    """Sampler seed of an episode's first call (its n-th call: seed + n); None = the engine's generator."""
+
+    @classmethod
+    def of_episode(cls, settings: Any) -> EndpointSettings:
+        """The endpoint's settings for an episode run with the agent loop's `EpisodeSettings`."""
+        return cls(max_total_tokens=settings.max_total_tokens,
+                   max_new_tokens_per_call=settings.max_new_tokens_per_turn, temperature=settings.temperature,
+                   top_p=settings.top_p, tool_parser=settings.tool_parser, seed=settings.seed)
 
 
 @dataclass
@@ -84,7 +97,11 @@ class ProgramEndpoint:
     counts: EndpointCounts = field(default_factory=EndpointCounts)
     url: str = ""
     _sessions: dict[str, EpisodeRecorder] = field(default_factory=dict)
-    _ended: set[str] = field(default_factory=set)
+    """Open sessions by token."""
+    _tokens: dict[str, str] = field(default_factory=dict)
+    """Episode key → its session's token."""
+    _ended: dict[str, None] = field(default_factory=dict)
+    """Tokens of ended sessions, oldest first (an ordered set)."""
     _ids: itertools.count = field(default_factory=itertools.count)
     _server: Any = None
     _task: asyncio.Task[None] | None = None
@@ -94,17 +111,25 @@ class ProgramEndpoint:
 
     # --- episodes ---------------------------------------------------------------------------------
 
-    def open(self, key: str) -> str:
-        """Start recording episode `key`; its base URL for the program."""
-        if key in self._sessions or key in self._ended:
+    def open(self, key: str, settings: EndpointSettings | None = None) -> str:
+        """Start recording episode `key` (sampled with `settings`, else the endpoint's); its base URL, which
+        names the session by a token of its own (URL-safe, never reused: a late call cannot reach a later
+        episode of the same key)."""
+        if key in self._tokens:
             raise ValueError(f"episode {key!r} already has a session")
-        self._sessions[key] = EpisodeRecorder(self.engine.version, self.settings.max_total_tokens)
-        return f"{self.url}/sessions/{key}/v1"
+        token = secrets.token_urlsafe(9)
+        chosen = settings or self.settings
+        self._sessions[token] = EpisodeRecorder(self.engine.version, chosen.max_total_tokens, settings=chosen)
+        self._tokens[key] = token
+        return f"{self.url}/sessions/{token}/v1"
 
     def close(self, key: str) -> EpisodeRecorder:
-        """Stop recording `key`: its record; a later call of it is refused (409)."""
-        self._ended.add(key)
-        return self._sessions.pop(key)
+        """Stop recording `key`: its record; a later call of its session is refused (409)."""
+        token = self._tokens.pop(key)
+        self._ended[token] = None
+        while len(self._ended) > _ENDED_KEPT:  # the oldest are forgotten: a call of one is a 404
+            self._ended.pop(next(iter(self._ended)))
+        return self._sessions.pop(token)
 
     # --- serving ----------------------------------------------------------------------------------
 
@@ -163,10 +188,10 @@ class ProgramEndpoint:
             return recorder
         if key in self._ended:
             self.counts.ended_session += 1
-            raise RequestError(409, f"episode {key!r} has ended: its calls are no longer recorded",
+            raise RequestError(409, f"session {key!r} has ended: its calls are no longer recorded",
                                "episode_ended")
         self.counts.unknown_session += 1
-        raise RequestError(404, f"no episode {key!r}: use the base URL the episode was given",
+        raise RequestError(404, f"no session {key!r}: use the base URL the episode was given",
                            "unknown_episode")
 
     def _malformed(self, message: str) -> RequestError:
@@ -256,11 +281,13 @@ class ProgramEndpoint:
             if room <= 0:
                 self.counts.over_budget += 1
                 raise RequestError(400, f"the context is {len(context)} tokens; this episode's budget is "
-                                   f"{self.settings.max_total_tokens} (context and answer)",
+                                   f"{recorder.max_total_tokens} (context and answer)",
                                    "context_length_exceeded")
-            budget = min(self.settings.max_new_tokens_per_call, room, asked or room)
-            sampling = SamplingParams(max_new_tokens=budget, temperature=self.settings.temperature,
-                                      top_p=self.settings.top_p, top_k=self.settings.top_k)
+            chosen: EndpointSettings = recorder.settings or self.settings
+            budget = min(chosen.max_new_tokens_per_call, room, asked or room)
+            seed = None if chosen.seed is None else chosen.seed + recorder.calls
+            sampling = SamplingParams(max_new_tokens=budget, temperature=chosen.temperature,
+                                      top_p=chosen.top_p, top_k=chosen.top_k, seed=seed)
             request = GenerationRequest(request_id=f"{key}-{next(self._ids)}",
                                         prompt_token_ids=tuple(context), sampling=sampling)
             try:

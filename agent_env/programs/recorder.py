@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollout.trajectory import TaskInfo, Trajectory, TrajectoryBuilder, TrajectoryTimings
 from rollout.types import GenerationResult
@@ -33,6 +34,8 @@ class EpisodeRecorder:
     finish_reason: str = "stop"
     is_truncated: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    settings: Any = None
+    """The endpoint's sampling and budgets for this episode (`EndpointSettings`); None = the endpoint's."""
 
     def room(self, context_ids: Sequence[int]) -> int:
         """Tokens a call after `context_ids` may still generate within the budget (≤ 0: none)."""

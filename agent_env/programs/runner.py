@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent_env.loop import Episode
-from agent_env.programs.endpoint import ProgramEndpoint
+from agent_env.loop import Episode, EpisodeSettings
+from agent_env.programs.endpoint import EndpointSettings, ProgramEndpoint
 from agent_env.rewards import RewardResult
 from agent_env.samples import Sample
 
@@ -70,8 +70,10 @@ class ProgramRunner:
                 "program/timed_out": float(self.counts.timed_out),
                 "program/never_called": float(self.counts.never_called), **refused}
 
-    async def episode(self, sample: Sample, trajectory_id: str, group_id: str, task_name: str) -> Episode:
-        base_url = self.endpoint.open(trajectory_id)
+    async def episode(self, sample: Sample, settings: EpisodeSettings, trajectory_id: str, group_id: str,
+                      task_name: str) -> Episode:
+        """One run of the program, sampled as `settings` says (the training rollouts', or an evaluation's)."""
+        base_url = self.endpoint.open(trajectory_id, EndpointSettings.of_episode(settings))
         started = time.perf_counter()
         try:
             returned = await asyncio.wait_for(self.program(base_url, sample), self.timeout_s)

@@ -49,7 +49,8 @@ def heldout_evaluator(config: RunConfig, runtime: TaskRuntime, task_path: Path, 
     return HeldoutEvaluator(chosen, engine=runtime.engine, tokenizer=runtime.tokenizer, tool=runtime.tool,
                             system=task.prompt.system, user=task.prompt.user, reward=runtime.reward,
                             settings=settings, k=trainer.eval_k, out_dir=run_dir / "eval",
-                            concurrency=trainer.eval_concurrency, task_name=task.name)
+                            concurrency=trainer.eval_concurrency, task_name=task.name,
+                            program=getattr(runtime, "program", None))
 
 
 async def eval_set_evaluator(stack: contextlib.AsyncExitStack, spec: EvalSetConfig, config: RunConfig,
@@ -59,6 +60,10 @@ async def eval_set_evaluator(stack: contextlib.AsyncExitStack, spec: EvalSetConf
     less the training prompts and the held-out set's, the first `spec.samples`; a task of its own is sampled
     by its `eval` section, the run's task as its held-out set is; files under run_dir/eval/<name>/."""
     parts = await eval_set_parts(stack, spec, runtime, task_path, runtime.tokenizer)
+    if parts.own_task and parts.task.loop.program is not None:
+        raise ConfigError(f"trainer.eval_sets[{spec.name}]", [
+            f"its task {parts.task.name} is an agent program (loop.program): an eval set with a task of its "
+            "own runs the built-in loop; evaluate the program with `vcpo eval` on its task file"])
     prompt = parts.task.prompt
     exclude = [*runtime.samples, *(heldout.heldout.samples if heldout is not None else ())]
     try:
@@ -78,7 +83,8 @@ async def eval_set_evaluator(stack: contextlib.AsyncExitStack, spec: EvalSetConf
                             system=prompt.system, user=prompt.user, reward=parts.reward, settings=settings,
                             k=k, out_dir=run_dir / "eval" / spec.name,
                             concurrency=config.trainer.eval_concurrency, task_name=parts.task.name,
-                            label=spec.name)
+                            label=spec.name,
+                            program=None if parts.own_task else getattr(runtime, "program", None))
 
 
 def _heldout_settings(config: RunConfig, task: TaskConfig) -> EpisodeSettings:

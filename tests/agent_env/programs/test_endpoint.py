@@ -128,7 +128,7 @@ async def test_bad_requests_get_errors_and_counts_and_touch_no_other_episode() -
         await good.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}])
         stranger = openai.AsyncOpenAI(base_url=f"{endpoint.url}/sessions/nobody/v1", api_key="x",
                                       max_retries=0)
-        with pytest.raises(openai.NotFoundError, match="no episode 'nobody'"):
+        with pytest.raises(openai.NotFoundError, match="no session 'nobody'"):
             await stranger.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}])
         with pytest.raises(openai.BadRequestError, match="messages"):
             await good.chat.completions.create(model="p", messages=[])
@@ -180,6 +180,25 @@ def test_vcpo_train_runs_episodes_of_an_sdk_program(tmp_path: Path, tiny_model_d
     assert len(episodes) == 2 * 2 * 4 and all(e["turns"] == 2 for e in episodes)  # two calls each
 
 
+def test_the_held_out_set_of_a_program_task_is_evaluated_as_runs_of_the_program(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    import json
+
+    from tests.run.train.test_train_e2e import _vcpo
+
+    config = _program_run(tmp_path, tiny_model_dir, steps=2)
+    task_file = tmp_path / "task.yaml"
+    task_file.write_text(task_file.read_text() + "heldout_dataset: {type: generator, name: countdown, "
+                         "num_samples: 16, seed: 1}\n")
+    result = _vcpo("train", str(config), "--no-progress", "trainer.eval_every=2", "trainer.eval_samples=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for version in (0, 2):  # two calls of the program each, at the held-out sampling; resumable files
+        path = tmp_path / "run" / "eval" / f"version_{version:06d}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()][1:]
+        assert len(rows) == 2
+        assert all(row["response_tokens"] > 0 and "program_error" not in row for row in rows)
+
+
 def test_a_program_that_does_not_import_is_refused_when_the_task_loads(tmp_path: Path) -> None:
     from configs.loader import ConfigError
     from run.train.wiring import load_task
@@ -190,11 +209,23 @@ def test_a_program_that_does_not_import_is_refused_when_the_task_loads(tmp_path:
     assert "has no async function 'nope'" in str(info.value)
 
 
-def test_evaluations_during_training_of_a_program_task_are_refused_for_now(tmp_path: Path,
-                                                                           tiny_model_dir: Path) -> None:
-    """They would run the built-in loop, not the program: refused up front, naming the fields."""
-    from tests.run.train.test_train_e2e import _vcpo
+async def test_a_failed_run_of_the_program_is_a_wrong_sample_of_the_evaluation(tmp_path: Path) -> None:
+    """An evaluation never dies of the user's program: its failed run is scored 0 with the reason kept."""
+    import json
 
-    config = _program_run(tmp_path, tiny_model_dir, steps=2)
-    result = _vcpo("config", "check", str(config), "trainer.eval_every=1")
-    assert result.returncode == 2 and "set trainer.eval_every=0" in result.stderr, result.stderr[-2000:]
+    from agent_env.evaluation.evaluate import evaluate
+    from agent_env.loop import EpisodeSettings
+    from agent_env.samples import Sample
+
+    class Crashing:
+        async def episode(self, *args: Any) -> Any:
+            raise RuntimeError("the program fell over")
+
+    out = tmp_path / "eval.jsonl"
+    sample = Sample(sample_id="a", fields={"q": "?"}, answer="1")
+    summary = await evaluate(None, _tokenizer(), None, system=None, user="{q}",  # type: ignore[arg-type]
+                             samples=[sample], reward=lambda text, sample: None, settings=EpisodeSettings(),
+                             k=1, out_path=out, meta={"t": 1}, program=Crashing())
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert (row["reward"], row["is_correct"], row["program_error"]) == (0.0, False, "the program fell over")
+    assert summary["no_answer_frac"] == 1.0
