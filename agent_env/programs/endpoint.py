@@ -9,9 +9,10 @@ behaviour log-probs and policy versions. The reply is the text the program expec
 
 Sampling is the run's, not the request's: `temperature`, `top_p` and `top_k` of a request are ignored, so
 the behaviour log-probs are of the distribution the learner corrects for; `max_tokens` may only lower the
-per-call budget. A request that cannot be served gets an HTTP error the program can read — an unknown
-episode 404, an episode that has ended 409, a malformed body 400, a context past the token budget 400
-(`context_length_exceeded`) — and a count (`EndpointCounts`); nothing reaches another episode's record.
+per-call budget; `stop` strings are honoured (they only end a sample early). A request that cannot be
+served gets an HTTP error the program can read — an unknown episode 404, an episode that has ended 409, a
+malformed body 400, a context past the token budget 400 (`context_length_exceeded`) — and a count
+(`EndpointCounts`); nothing reaches another episode's record.
 Needs fastapi and uvicorn (`pip install 'vcpo[server]'`; scripts/setup.sh installs them).
 """
 
@@ -206,7 +207,7 @@ class ProgramEndpoint:
         except Exception as exc:  # the template refused the messages
             raise self._malformed(f"the chat template cannot render these messages ({exc})") from None
         result, calls = await self._generate(key, recorder, context, body, with_tools=bool(tools))
-        text = self.tokenizer.decode(list(result.token_ids), skip_special_tokens=True)
+        text = self._reply_text(result, body)
         recorder.texts.append(text)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = "length" if result.finish_reason == "length" else "stop"
@@ -231,7 +232,7 @@ class ProgramEndpoint:
             raise self._malformed("`prompt` must be a non-empty string")
         context = self.tokenizer.encode(prompt, add_special_tokens=False)
         result, _ = await self._generate(key, recorder, context, body, with_tools=False)
-        text = self.tokenizer.decode(list(result.token_ids), skip_special_tokens=True)
+        text = self._reply_text(result, body)
         recorder.texts.append(text)
         return {"id": f"cmpl-{key}-{recorder.calls}", "object": "text_completion",
                 "created": int(time.time()), "model": str(body.get("model") or "vcpo-policy"),
@@ -270,11 +271,26 @@ class ProgramEndpoint:
             converted.append({**call, "function": function})
         return {**message, "tool_calls": converted}
 
+    def _reply_text(self, result: Any, body: dict[str, Any]) -> str:
+        """The sampled text as the OpenAI API returns it: without a stop string that ended it (the trained
+        tokens keep it: they are what was sampled)."""
+        text = self.tokenizer.decode(list(result.token_ids), skip_special_tokens=True)
+        stop = body.get("stop") or ()
+        for item in (stop,) if isinstance(stop, str) else stop:
+            if result.finish_reason == "stop" and text.endswith(item):
+                return text[:-len(item)]
+        return text
+
     async def _generate(self, key: str, recorder: EpisodeRecorder, context: list[int], body: dict[str, Any],
                         *, with_tools: bool) -> tuple[Any, list[ParsedCall]]:
         asked = body.get("max_completion_tokens", body.get("max_tokens"))
         if asked is not None and not (isinstance(asked, int) and asked > 0):
             raise self._malformed("`max_tokens` must be a positive integer")
+        stop = body.get("stop") or ()
+        stop = (stop,) if isinstance(stop, str) else stop
+        if not (isinstance(stop, list | tuple) and len(stop) <= 4
+                and all(isinstance(item, str) and item for item in stop)):
+            raise self._malformed("`stop` must be a string or a list of at most 4 non-empty strings")
         async with recorder.lock:  # one call of an episode at a time: each is recorded after the last
             self._recorder(key)  # the episode may have ended while this call waited: 409 then
             room = recorder.room(context)
@@ -286,8 +302,9 @@ class ProgramEndpoint:
             chosen: EndpointSettings = recorder.settings or self.settings
             budget = min(chosen.max_new_tokens_per_call, room, asked or room)
             seed = None if chosen.seed is None else chosen.seed + recorder.calls
+            # stop strings only cut the sample short: the tokens kept are distributed as without them
             sampling = SamplingParams(max_new_tokens=budget, temperature=chosen.temperature,
-                                      top_p=chosen.top_p, top_k=chosen.top_k, seed=seed)
+                                      top_p=chosen.top_p, top_k=chosen.top_k, seed=seed, stop=tuple(stop))
             request = GenerationRequest(request_id=f"{key}-{next(self._ids)}",
                                         prompt_token_ids=tuple(context), sampling=sampling)
             try:

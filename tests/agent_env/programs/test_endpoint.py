@@ -79,9 +79,16 @@ async def test_a_conversation_is_one_segment_and_an_edited_history_starts_anothe
             edited = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Something else."}]
             await client.chat.completions.create(model="policy", messages=edited)
             record = endpoint.close("ep0")
+            # a stop string ends the sample and is left out of the reply (as OpenAI's does), not the record
+            client = openai.AsyncOpenAI(base_url=endpoint.open("ep1"), api_key="unused")
+            stopped = await client.chat.completions.create(model="policy", messages=messages[:2],
+                                                           stop=["wor"])
+            assert stopped.choices[0].message.content == "Hello "
+            assert tokenizer.decode(list(engine.results[-1].token_ids)) == "Hello wor"
+            endpoint.close("ep1")
     trajectory = record.build("ep0", "g0", reward=1.0)
     assert trajectory is not None and len(trajectory.segment_starts) == 2 and record.calls == 3
-    (c1, c2, c3), (r1, r2, r3) = engine.contexts, engine.results
+    (c1, c2, c3, _), (r1, r2, r3, _) = engine.contexts, engine.results
     assert len(r2.token_ids) <= 4  # the request's max_tokens lowers the budget
     assert c2[:len(c1) + len(r1.token_ids)] == c1 + list(r1.token_ids)  # the conversation extends
     ids, mask = list(trajectory.token_ids), list(trajectory.loss_mask)
