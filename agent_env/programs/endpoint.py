@@ -28,9 +28,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-
 from agent_env.function_calls import ParsedCall, resolve_parser, visible_text
 from agent_env.programs.recorder import EpisodeRecorder
 from agent_env.prompts import render_prompt_ids
@@ -155,11 +152,16 @@ class ProgramEndpoint:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 10)
 
-    def app(self) -> FastAPI:
+    def app(self) -> Any:
+        """The ASGI app (plain routes: each handler reads its session from the path itself)."""
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse
+
         app = FastAPI(title="vcpo agent-program endpoint")
 
         def handler(kind: str) -> Any:
-            async def serve(key: str, request: Request) -> JSONResponse:
+            async def serve(request: Any) -> JSONResponse:
+                key = request.path_params["key"]
                 try:
                     try:
                         body = await request.json()
@@ -172,13 +174,13 @@ class ProgramEndpoint:
                 return JSONResponse(reply)
             return serve
 
-        app.post("/sessions/{key}/v1/chat/completions")(handler("chat"))
-        app.post("/sessions/{key}/v1/completions")(handler("completion"))
+        async def models(request: Any) -> JSONResponse:
+            return JSONResponse({"object": "list",
+                                 "data": [{"id": "vcpo-policy", "object": "model", "owned_by": "vcpo"}]})
 
-        @app.get("/sessions/{key}/v1/models")
-        async def models(key: str) -> dict[str, Any]:
-            return {"object": "list", "data": [{"id": "vcpo-policy", "object": "model", "owned_by": "vcpo"}]}
-
+        app.router.add_route("/sessions/{key}/v1/chat/completions", handler("chat"), methods=["POST"])
+        app.router.add_route("/sessions/{key}/v1/completions", handler("completion"), methods=["POST"])
+        app.router.add_route("/sessions/{key}/v1/models", models, methods=["GET"])
         return app
 
     # --- requests ---------------------------------------------------------------------------------

@@ -132,6 +132,7 @@ async def test_bad_requests_get_errors_and_counts_and_touch_no_other_episode() -
     settings = EndpointSettings(max_total_tokens=150, max_new_tokens_per_call=8)
     async with _scripted("ok") as engine, ProgramEndpoint(engine, _tokenizer(), settings) as endpoint:
         good = openai.AsyncOpenAI(base_url=endpoint.open("good"), api_key="unused", max_retries=0)
+        assert [model.id async for model in good.models.list()] == ["vcpo-policy"]
         await good.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}])
         stranger = openai.AsyncOpenAI(base_url=f"{endpoint.url}/sessions/nobody/v1", api_key="x",
                                       max_retries=0)
