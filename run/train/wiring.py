@@ -20,7 +20,7 @@ import configs
 from agent_env.datasets import load_samples
 from agent_env.function_calls import ParserConfigError, resolve_parser
 from agent_env.rewards import RewardConfigError, build_reward
-from agent_env.runtime import TaskRuntime
+from agent_env.runtime import TaskRuntime, episode_settings
 from agent_env.samples import Sample
 from agent_env.tool_messages import ToolTemplateError, check_tools_template
 from configs.loader import ConfigError
@@ -204,8 +204,11 @@ async def remote_engine_runtime(stack: contextlib.AsyncExitStack, task: TaskConf
     evaluations run their episodes through it."""
     loaded, reward = _samples_and_reward(task, task_path, tokenizer, "train")
     runner = tool if tool is not None else await _enter_tools(stack, task, task_path, tokenizer)
+    program = None  # a program task's evaluations run the program, here as in local mode
+    if task.loop.program is not None:
+        program = await _program_runner(stack, task, engine, tokenizer, reward)
     return TaskRuntime(task, loaded.samples, reward, tokenizer, engine, runner,
-                       skipped_samples=loaded.skipped)
+                       skipped_samples=loaded.skipped, program=program)
 
 
 async def _program_runner(stack: contextlib.AsyncExitStack, task: TaskConfig, engine: Any,
@@ -214,12 +217,10 @@ async def _program_runner(stack: contextlib.AsyncExitStack, task: TaskConfig, en
     from agent_env.programs.endpoint import EndpointSettings, ProgramEndpoint
     from agent_env.programs.runner import ProgramRunner, import_program
 
-    loop = task.loop
-    settings = EndpointSettings(max_total_tokens=loop.max_total_tokens,
-                                max_new_tokens_per_call=loop.max_new_tokens_per_turn,
-                                temperature=loop.temperature, top_p=loop.top_p, tool_parser=loop.tool_parser)
+    settings = EndpointSettings.of_episode(episode_settings(task))
     endpoint = await stack.enter_async_context(ProgramEndpoint(engine, tokenizer, settings))
-    return ProgramRunner(endpoint, import_program(loop.program or ""), reward, loop.program_timeout_s)
+    program = import_program(task.loop.program or "")
+    return ProgramRunner(endpoint, program, reward, task.loop.program_timeout_s)
 
 
 @dataclass(frozen=True)
