@@ -15,7 +15,7 @@ and a summary when the loop asks for one (`loop.context.compaction: summarize`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from agent_env.samples import Sample
     from configs.task_schema import TaskConfig
+    from rollout.trajectory import Trajectory
     from rollout.types import GenerationRequest
 
 Demonstration = tuple[list[int], list[bool]]
@@ -67,19 +68,16 @@ def _script(policy: SolverPolicy, sample: Sample, tokenizer: PreTrainedTokenizer
     return script
 
 
-async def _demonstrate(task: TaskConfig, samples: Sequence[Sample], tokenizer: PreTrainedTokenizerBase,
-                       policy: SolverPolicy, count: int) -> list[Demonstration]:
+async def _solver_episodes(task: TaskConfig, samples: Sequence[Sample], tokenizer: PreTrainedTokenizerBase,
+                          policy: SolverPolicy) -> AsyncIterator[tuple[Sample, Trajectory]]:
+    """The solver's episode of each sample in turn, through the task's loop and its real tool."""
     settings = episode_settings(task)
     specs = task.tool_specs()
     if task.loop.tool_format != "code_fence" or len(specs) != 1:
         raise ValueError("scripted demonstrations run code-fence tasks with one tool; this task has "
                          f"tool_format {task.loop.tool_format!r} and {len(specs)} tools")
-    out: list[Demonstration] = []
-    episodes = 0
     async with build_tool(specs[0]) as tool:
         for sample in samples:
-            if episodes >= count:
-                break
             engine = ScriptedEngine(_script(policy, sample, tokenizer, settings.context.summary_request),
                                     eos_token_id=tokenizer.eos_token_id,
                                     decode=lambda ids: tokenizer.decode(list(ids)))
@@ -89,13 +87,30 @@ async def _demonstrate(task: TaskConfig, samples: Sequence[Sample], tokenizer: P
                 episode = await run_episode(engine, tokenizer, prompt, settings, lambda _text: _Unscored(),
                                             tool=tool, trajectory_id=f"demo-{sample.sample_id}",
                                             group_id="demo")
-            trajectory = episode.trajectory
-            if trajectory.task.is_truncated:
-                continue  # the budget cut it: not a demonstration of the task done
-            episodes += 1
-            for start, stop in trajectory.segments:
-                out.append((list(trajectory.token_ids[start:stop]), list(trajectory.loss_mask[start:stop])))
+            yield sample, episode.trajectory
+
+
+async def _demonstrate(task: TaskConfig, samples: Sequence[Sample], tokenizer: PreTrainedTokenizerBase,
+                       policy: SolverPolicy, count: int) -> list[Demonstration]:
+    out: list[Demonstration] = []
+    episodes = 0
+    if count <= 0:
+        return out
+    async for _sample, trajectory in _solver_episodes(task, samples, tokenizer, policy):
+        if trajectory.task.is_truncated:
+            continue  # the budget cut it: not a demonstration of the task done
+        episodes += 1
+        for start, stop in trajectory.segments:
+            out.append((list(trajectory.token_ids[start:stop]), list(trajectory.loss_mask[start:stop])))
+        if episodes >= count:
+            break
     return out
+
+
+async def _finishes(task: TaskConfig, samples: Sequence[Sample], tokenizer: PreTrainedTokenizerBase,
+                    policy: SolverPolicy) -> dict[str, bool]:
+    return {sample.sample_id: not trajectory.task.is_truncated
+            async for sample, trajectory in _solver_episodes(task, samples, tokenizer, policy)}
 
 
 @dataclass(frozen=True)
@@ -109,6 +124,14 @@ def scripted_demonstrations(task: TaskConfig, samples: Sequence[Sample], tokeniz
     and tool; an episode the budget truncated is left out. Runs its own event loop: call it from a thread
     that has none (the warm start runs in one)."""
     return asyncio.run(_demonstrate(task, samples, tokenizer, policy, count))
+
+
+def solver_finishes(task: TaskConfig, samples: Sequence[Sample], tokenizer: PreTrainedTokenizerBase,
+                    policy: SolverPolicy) -> dict[str, bool]:
+    """Per sample id: whether the solver's episode ends inside the task's token budget (not truncated) —
+    the most a policy that writes as the solver does can solve under this loop, e.g. without compaction.
+    Runs its own event loop, as `scripted_demonstrations`."""
+    return asyncio.run(_finishes(task, samples, tokenizer, policy))
 
 
 def describe(demonstrations: Sequence[Demonstration]) -> dict[str, Any]:

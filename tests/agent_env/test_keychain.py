@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from agent_env.datasets import load_samples
-from agent_env.demonstrations import SolverPolicy, scripted_demonstrations
+from agent_env.demonstrations import SolverPolicy, scripted_demonstrations, solver_finishes
 from agent_env.keychain import (
     SANDBOX_PREAMBLE,
     chain,
@@ -109,3 +109,22 @@ def test_without_compaction_the_longest_chains_outgrow_the_budget(default_model_
         samples = load_samples(task, which="train", task_dir=path.parent).samples
         kept[compaction] = scripted_demonstrations(task, samples, tokenizer, _policy(), count=2)
     assert kept["none"] == [] and len(kept["keep_last"]) >= 4
+
+
+@needs_bwrap
+def test_the_solver_finishes_short_chains_inside_the_budget_and_long_ones_only_when_compacted(
+        default_model_dir: Path) -> None:
+    """`solver_finishes`: per sample, whether the solver's own episode ends inside the budget — the ceiling of
+    a loop that only truncates (6 hops fit in 448 tokens, 9 do not), none with compaction."""
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    finished = {}
+    for compaction in ("none", "keep_last"):
+        for hops in (6, 9):
+            task, path = load_task(TASK, [f"loop.context.compaction={compaction}", f"dataset.min_hops={hops}",
+                                          f"dataset.max_hops={hops}", "dataset.num_samples=2"])
+            samples = load_samples(task, which="train", task_dir=path.parent).samples
+            result = solver_finishes(task, samples, tokenizer, _policy())
+            assert set(result) == {sample.sample_id for sample in samples}
+            finished[compaction, hops] = list(result.values())
+    assert finished == {("none", 6): [True, True], ("none", 9): [False, False],
+                        ("keep_last", 6): [True, True], ("keep_last", 9): [True, True]}
