@@ -65,7 +65,8 @@ def run_main_job_bench(bench: MainJobBenchConfig, repo_root: Path,
             if subprocess.run(base_command, cwd=repo_root, check=False).returncode != 0:
                 raise RuntimeError(f"seed {seed}: the base model's evaluation failed (log in {base})")
         keep_evidence(run_dir, evidence, wall_s, base)
-    return summarize_main_job(evidence_root, bench.seeds, bench.min_gain)
+    baselines = {name: repo_root / folder for name, folder in bench.baselines.items()}
+    return summarize_main_job(evidence_root, bench.seeds, bench.min_gain, baselines)
 
 
 def keep_evidence(run_dir: Path, evidence: Path, wall_s: float, base: Path | None = None) -> None:
@@ -186,9 +187,45 @@ def _base_model(evidence: Path) -> dict[str, Any]:
                            for name, path in found.items() if path.is_file()}}
 
 
-def summarize_main_job(evidence_root: Path, seeds: list[int], min_gain: float) -> dict[str, Any]:
-    """Every seed's figures and the claim over all of them."""
+def _final_results(evidence: Path) -> dict[str, HeldoutResult]:
+    """The last evaluation of the held-out set and of every eval set in a seed's evidence, by set name."""
+    found: dict[str, HeldoutResult] = {}
+    for name, folder in (("heldout", evidence / "eval"),
+                         *((p.name, p) for p in sorted((evidence / "eval").iterdir()) if p.is_dir())):
+        paths = sorted(folder.glob("version_*.jsonl"))
+        if paths:
+            found[name] = result_from_file(paths[-1])
+    return found
+
+
+def versus_baseline(evidence: Path, baseline: Path) -> dict[str, Any]:
+    """Per set both arms evaluated: this arm's final success, the baseline's, and the difference paired by
+    prompt with its 95% interval (each arm at its own last evaluation)."""
+    if not baseline.is_dir():
+        raise FileNotFoundError(f"{baseline}: the baseline has no evidence of this seed; run its bench first")
+    ours, theirs = _final_results(evidence), _final_results(baseline)
+    rows: dict[str, Any] = {}
+    for name in sorted(set(ours) & set(theirs)):
+        mine, other = ours[name], theirs[name]
+        change = paired_change(other, mine)
+        rows[name] = {"success": round(mine.success, 4), "baseline_success": round(other.success, 4),
+                      "step": mine.version, "baseline_step": other.version,
+                      "difference": round(change.gain, 4), "low": round(change.low, 4),
+                      "high": round(change.high, 4),
+                      "prompts": len(set(mine.per_prompt) & set(other.per_prompt))}
+    return rows
+
+
+def summarize_main_job(evidence_root: Path, seeds: list[int], min_gain: float,
+                       baselines: dict[str, Path] | None = None) -> dict[str, Any]:
+    """Every seed's figures and the claim over all of them; with `baselines` (name → another bench's
+    evidence root), each seed's final success against each baseline's (`versus`)."""
     per_seed = {str(seed): summarize_seed(evidence_root / f"seed_{seed}", min_gain) for seed in seeds}
+    for seed in seeds:
+        versus = {name: versus_baseline(evidence_root / f"seed_{seed}", root / f"seed_{seed}")
+                  for name, root in (baselines or {}).items()}
+        if versus:
+            per_seed[str(seed)]["versus"] = versus
     walls = [row["process_wall_s"] for row in per_seed.values()]
     return {
         "seeds": per_seed,

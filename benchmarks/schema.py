@@ -90,6 +90,10 @@ class MainJobBenchConfig(StrictModel):
     """Also evaluate the model before its warm start, per seed, on the same sets with the same settings and
     seed (`vcpo train` of the config with warm_start.enabled=false and --stop-after-step 0): the baseline
     the warm start and RL are measured from."""
+    baselines: dict[str, str] = Field(default_factory=dict)
+    """Other arms to compare with: a name → the evidence_dir of another `vcpo bench main_job` run of the
+    same seeds and sets (e.g. the same task without compaction). Per seed and set, the summary gives this
+    arm's final success minus the baseline's, paired by prompt, with its 95% interval (`versus`)."""
 
 
 LearnerSweepRow = Literal["grpo", "vcpo_fast", "vcpo_per_trajectory"]

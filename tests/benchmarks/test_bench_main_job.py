@@ -139,7 +139,8 @@ def test_a_committed_main_job_summary_is_what_its_evidence_gives(preset: str, su
                     f"run (`vcpo bench main_job --config benchmarks/configs/{preset} --out "
                     f"docs/results/{summary}`)")
     bench = MainJobBenchConfig.model_validate(yaml.safe_load((BENCH_CONFIG_ROOT / preset).read_text()))
-    recomputed = summarize_main_job(ROOT / bench.evidence_dir, bench.seeds, bench.min_gain)
+    baselines = {name: ROOT / folder for name, folder in bench.baselines.items()}
+    recomputed = summarize_main_job(ROOT / bench.evidence_dir, bench.seeds, bench.min_gain, baselines)
     assert recomputed == json.loads(path.read_text())
 
 
@@ -171,3 +172,30 @@ def test_a_test_set_and_the_base_model_are_summarized_beside_the_held_out_set(tm
     assert row["base_model"]["heldout"]["success"] == 0.0 and row["base_model"]["test"]["success"] == 0.1
     plain = summarize_seed(_evidence(tmp_path / "seed_2", {0: [False] * 4, 10: [True] * 4}), 0.10)
     assert "eval_sets" not in plain and "base_model" not in plain  # the first protocol's evidence, unchanged
+
+
+def test_an_arm_is_compared_with_a_baseline_paired_by_prompt_at_each_arms_last_evaluation(
+        tmp_path: Path) -> None:
+    """Per set both arms evaluated: this arm's final success minus the baseline's final success, the
+    differences taken prompt by prompt (ten prompts; this arm right on 0-5, the baseline on 0-1 and 6: +1
+    on four prompts, −1 on one → 0.3), with the t-interval of those ten differences."""
+    arm = _evidence(tmp_path / "arm" / "seed_1", {0: [False] * 10, 10: [True] * 6 + [False] * 4})
+    base = _evidence(tmp_path / "base" / "seed_1",
+                     {0: [False] * 10, 10: [True] * 2 + [False] * 4 + [True] + [False] * 3})
+    for folder, end in ((arm, [True] * 3 + [False] * 7), (base, [False] * 10)):
+        (folder / "eval" / "test").mkdir()
+        _eval_file(folder / "eval" / "test", 0, [False] * 10)
+        _eval_file(folder / "eval" / "test", 10, end)
+    summary = summarize_main_job(tmp_path / "arm", [1], 0.10, {"truncate": tmp_path / "base"})
+    versus = summary["seeds"]["1"]["versus"]["truncate"]
+    assert set(versus) == {"heldout", "test"}
+    held = versus["heldout"]
+    assert (held["success"], held["baseline_success"], held["difference"]) == (0.6, 0.3, 0.3)
+    differences = [1.0] * 4 + [-1.0] + [0.0] * 5
+    sd = (sum((d - 0.3) ** 2 for d in differences) / 9) ** 0.5
+    assert held["low"] == pytest.approx(0.3 - 2.262 * sd / 10 ** 0.5, abs=2e-3)  # t of 9 degrees of freedom
+    assert held["prompts"] == 10 and held["step"] == held["baseline_step"] == 10
+    assert versus["test"]["difference"] == 0.3 and versus["test"]["baseline_success"] == 0.0
+    assert "versus" not in summarize_main_job(tmp_path / "arm", [1], 0.10)["seeds"]["1"]
+    with pytest.raises(FileNotFoundError, match="no evidence of this seed"):
+        summarize_main_job(tmp_path / "arm", [1], 0.10, {"missing": tmp_path / "nowhere"})
