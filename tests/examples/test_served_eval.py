@@ -168,6 +168,36 @@ def test_vcpo_eval_runs_the_tool_loop_through_vllms_own_server(
     assert _wait_for_count(log, before + 5, timeout_s=2) == before + 4
 
 
+def test_vcpo_eval_runs_an_agent_program_against_the_served_model(
+    server: tuple[str, Path], task: Path, model_dir: Path, tmp_path: Path
+) -> None:
+    """A program task (`loop.program`) evaluated against vLLM's server: the program calls vcpo's endpoint,
+    which renders its messages and has the served model generate them — the memorised reply, token for
+    token, scored by the task's reward."""
+    from tests.agent_env.programs.sdk_agent import ask_once
+
+    assert memorised.SYSTEM == "Use python."  # what ask_once sends
+    url, log = server
+    spec = yaml.safe_load(task.read_text())
+    spec["loop"]["program"] = f"{ask_once.__module__}:{ask_once.__name__}"
+    program_task = task.with_name("program_task.yaml")
+    program_task.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "program.jsonl"
+    before = _completions_served(log)
+    done = _vcpo_eval(url, program_task, model_dir, SERVED, "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta, *samples = (json.loads(line) for line in out.read_text().splitlines())
+    assert meta["meta"]["served_model"] == SERVED
+    tokenizer = build_byte_tokenizer()
+    expected_tokens = len(tokenizer.encode(memorised.episode_text(), add_special_tokens=False)) + 1  # + EOS
+    assert sorted(sample["index"] for sample in samples) == [0, 1]
+    for sample in samples:
+        assert "program_error" not in sample, sample.get("program_error")
+        assert (sample["extracted"], sample["is_correct"]) == ("42", True)
+        assert sample["response_tokens"] == expected_tokens
+    assert _wait_for_count(log, before + 2) == before + 2  # one call per sample, nothing else
+
+
 def test_a_name_the_server_does_not_serve_is_one_line_with_the_url_status_and_vllms_message(
     server: tuple[str, Path], task: Path, model_dir: Path, tmp_path: Path
 ) -> None:

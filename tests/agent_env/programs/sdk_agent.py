@@ -25,3 +25,12 @@ async def two_calls(base_url: str, sample: Any) -> None:
     messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
                  {"role": "user", "content": "Check it."}]
     await client.chat.completions.create(model="policy", messages=messages)
+
+
+async def ask_once(base_url: str, sample: Any) -> None:
+    """One call: the task's question under a fixed system prompt ("Use python.", the memorised model's);
+    the reply is scored by the task's reward."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "Use python."},
+                {"role": "user", "content": str(sample.fields["question"])}]
+    await client.chat.completions.create(model="policy", messages=messages)
