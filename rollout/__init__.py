@@ -1,66 +1,16 @@
-"""Inference engines behind one protocol and the Trajectory contract. Also the default-model loader
-(shared by engines and learners, so it lives at the lowest layer that both may import).
+"""Inference engines behind one protocol, the rollout manager that keeps them busy under a lag bound, and the
+Trajectory contract between rollout and learner. Also the default-model loader (shared by engines and
+learners, so it lives at the lowest layer that both may import).
+
+Modules: `base` (the engine protocol), `types` (sampling settings, a request, its result), `errors` (typed
+engine failures), `settings` (one settings model per backend), `request_record` (a request's record while an
+engine works on it), `engines/` (HF transformers, vLLM, SGLang, OpenAI-compatible servers, the factory, the
+weight push), `trajectory` (the Trajectory and its builder), `manager` (groups in flight under the lag bound
+k), `lag_control` (the adaptive bound, `rollout.max_lag: auto`), `sim_clock` (a simulated clock for the
+pipeline), `models` (resolving and loading models, the default one included), `openmp` (handing idle OpenMP
+workers back), `tiny` (tiny random-weight models for tests and benchmarks), `fakes` (a scripted engine for
+tests of control logic).
+
+The package holds no re-exports: import from the module that defines a name.
 
 May import: `vcpo`."""
-
-from rollout.base import InferenceEngine
-from rollout.engines.factory import build_engine, choose_backend, start_engine, vllm_unavailable_reason
-from rollout.errors import (
-    EngineError,
-    EngineOOM,
-    EngineTimeout,
-    EngineUnavailable,
-    GenerationAborted,
-    InvalidRequest,
-    MalformedResponse,
-    UnsupportedOperation,
-    WeightLoadError,
-)
-from rollout.fakes import ScriptedEngine, ScriptedReply
-from rollout.settings import (
-    AutoEngineSettings,
-    EngineSettings,
-    HFEngineSettings,
-    OpenAIEngineSettings,
-    SGLangEngineSettings,
-    SGLangLaunchSettings,
-    VLLMEngineSettings,
-)
-from rollout.trajectory import TaskInfo, Trajectory, TrajectoryBuilder, TrajectoryTimings, TrajectoryVersions
-from rollout.types import FinishReason, GenerationRequest, GenerationResult, GenerationTimings, SamplingParams
-
-__all__ = [
-    "AutoEngineSettings",
-    "EngineError",
-    "EngineOOM",
-    "EngineSettings",
-    "EngineTimeout",
-    "EngineUnavailable",
-    "FinishReason",
-    "GenerationAborted",
-    "GenerationRequest",
-    "GenerationResult",
-    "GenerationTimings",
-    "HFEngineSettings",
-    "InferenceEngine",
-    "InvalidRequest",
-    "MalformedResponse",
-    "OpenAIEngineSettings",
-    "SGLangEngineSettings",
-    "SGLangLaunchSettings",
-    "SamplingParams",
-    "ScriptedEngine",
-    "ScriptedReply",
-    "TaskInfo",
-    "Trajectory",
-    "TrajectoryBuilder",
-    "TrajectoryTimings",
-    "TrajectoryVersions",
-    "UnsupportedOperation",
-    "VLLMEngineSettings",
-    "WeightLoadError",
-    "build_engine",
-    "choose_backend",
-    "start_engine",
-    "vllm_unavailable_reason",
-]

@@ -74,6 +74,24 @@ def test_every_package_says_what_it_may_import_and_names_real_modules() -> None:
             assert path.is_dir() or path.with_suffix(".py").is_file(), f"{where}: `{name}` is no module"
 
 
+LIBRARY_LAYERS = ("vcpo", "tools", "rollout", "agent_env", "learner")
+"""Layers whose `__init__.py` is only their index: no re-exports to keep in sync, nothing imported with it."""
+
+
+@pytest.mark.parametrize("layer", LIBRARY_LAYERS)
+def test_a_library_layers_init_is_its_index_and_re_exports_nothing(layer: str) -> None:
+    """The docstring alone: it names every module and subpackage of the layer (so a newcomer finds each
+    one there), and the file imports nothing (a name is imported from the module that defines it)."""
+    tree = ast.parse((ROOT / layer / "__init__.py").read_text())
+    assert len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr), (
+        f"{layer}/__init__.py holds more than its docstring: import names from their modules instead")
+    doc = _docstring(ROOT / layer)
+    named = set(re.findall(r"`([a-z_][a-z0-9_]*)/?`", doc))
+    present = {p.stem for p in (ROOT / layer).glob("*.py") if p.name != "__init__.py"}
+    present |= {p.parent.name for p in (ROOT / layer).glob("*/__init__.py")}
+    assert present <= named, f"{layer}/__init__.py does not describe {sorted(present - named)}"
+
+
 def test_a_subpackage_names_only_what_its_layer_may_import() -> None:
     for layer in PROJECT:
         for unit in _subpackages(layer):
@@ -130,8 +148,8 @@ def test_vcpo_imports_only_torch_and_the_stdlib() -> None:
 # ---------------------------------------------------------------------------------------------
 # Inside a layer: subpackages by concern, imports in one direction (UNITS, read from each
 # subpackage's "May import:" paragraph above). A "unit" is a subpackage, or "." for the modules
-# directly in the layer's folder. A package's own __init__.py is its public facade and may re-export
-# from anything below it; every other module keeps to its unit's list.
+# directly in the layer's folder. A package's own __init__.py may gather names from anything below it (the
+# library layers' hold only their index, tested above); every other module keeps to its unit's list.
 
 
 def _project_imports(path: Path) -> set[str]:
@@ -170,7 +188,7 @@ def test_subpackages_import_in_one_direction(layer: str) -> None:
     violations: dict[str, list[str]] = {}
     for path in _sources(layer):
         if path.name == "__init__.py":
-            continue  # a facade re-exports (learner's by name only, lazily)
+            continue  # a package's __init__ may gather names from below it
         unit = _unit_of(_module_name(path), layer)
         assert unit is not None, f"{path.relative_to(ROOT)} belongs to no unit of {layer}: add it to UNITS"
         allowed = UNITS[layer][unit] | {unit}

@@ -2,72 +2,16 @@
 SandboxFusion-compatible HTTP client and server, E2B, and MCP servers (their tools as functions); the
 toolbox that offers several tools' functions to a function-calling model.
 
+Modules: `base` (the protocol a plug-in implements: Tool, ToolCall, ToolResult, the errors), `settings`
+(each built-in tool's settings), `registry` (building a tool from a task's spec, entry-point plug-ins
+included), `sandbox/` (the local bubblewrap sandbox), `sandbox_fusion/` (the SandboxFusion client and
+server), `e2b`, `mcp_tool` (an MCP server's tools), `functions` (function calling over a task's tools: one
+namespace, argument checks, an episode's calls), `_output` (bounded capture of a child's output), `fakes`
+(an echo tool and a scripted tool for tests).
+
+The package holds no re-exports: import from the module that defines a name. Importing it starts nothing
+and imports no optional dependency (fastapi, uvicorn, e2b, the mcp SDK are imported when the server, the
+E2B tool or an MCP tool is used).
+
 May import: `vcpo`.
-
-Importing this package starts nothing and imports no optional dependency (fastapi, uvicorn,
-e2b, the mcp SDK are imported when the server, the E2B tool or an MCP tool is used).
 """
-
-from tools.base import (
-    FunctionSpec,
-    FunctionTool,
-    Language,
-    Tool,
-    ToolCall,
-    ToolConfigError,
-    ToolError,
-    ToolResult,
-    ToolSession,
-    ToolStatus,
-    ToolUnavailableError,
-)
-from tools.e2b import E2BTool
-from tools.fakes import EchoTool, EchoToolSettings, ScriptedTool
-from tools.functions import Toolbox
-from tools.mcp_tool import MCPTool
-from tools.registry import BUILTIN_TOOLS, ENTRY_POINT_GROUP, build_tool, known_tools, validate_tool_settings
-from tools.sandbox.local_sandbox import LocalPythonSandbox, LocalSandboxSession
-from tools.sandbox_fusion.client import SandboxFusionTool
-from tools.sandbox_fusion.server import create_app, serve
-from tools.settings import (
-    E2BSettings,
-    LocalSandboxSettings,
-    MCPSettings,
-    SandboxFusionClientSettings,
-    SandboxServerSettings,
-)
-
-__all__ = [
-    "BUILTIN_TOOLS",
-    "ENTRY_POINT_GROUP",
-    "E2BSettings",
-    "E2BTool",
-    "EchoTool",
-    "EchoToolSettings",
-    "FunctionSpec",
-    "FunctionTool",
-    "Language",
-    "LocalPythonSandbox",
-    "LocalSandboxSession",
-    "LocalSandboxSettings",
-    "MCPSettings",
-    "MCPTool",
-    "SandboxFusionClientSettings",
-    "SandboxFusionTool",
-    "SandboxServerSettings",
-    "ScriptedTool",
-    "Tool",
-    "ToolCall",
-    "ToolConfigError",
-    "ToolError",
-    "ToolResult",
-    "ToolSession",
-    "ToolStatus",
-    "ToolUnavailableError",
-    "Toolbox",
-    "build_tool",
-    "create_app",
-    "known_tools",
-    "serve",
-    "validate_tool_settings",
-]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tools import LocalPythonSandbox, LocalSandboxSettings
+from tools.sandbox.local_sandbox import LocalPythonSandbox
+from tools.settings import LocalSandboxSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,9 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
-from tools import EchoTool, EchoToolSettings, ScriptedTool, Tool, ToolCall, ToolResult, ToolSession
 from tools._output import cap_text, decode_capped, last_line
+from tools.base import Tool, ToolCall, ToolResult, ToolSession
+from tools.fakes import EchoTool, EchoToolSettings, ScriptedTool
 
 
 def test_call_and_result_are_frozen_and_reject_unknown_fields() -> None:

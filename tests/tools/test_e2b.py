@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from tools import E2BSettings, E2BTool, ToolCall, ToolUnavailableError
-from tools.e2b import execution_to_result
+from tools.base import ToolCall, ToolUnavailableError
+from tools.e2b import E2BTool, execution_to_result
+from tools.settings import E2BSettings
 
 
 @pytest.fixture

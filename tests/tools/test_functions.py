@@ -8,11 +8,11 @@ from typing import Any, ClassVar
 
 import pytest
 
-from tools import LocalPythonSandbox
 from tools.base import FunctionSpec, ToolConfigError, ToolResult, code_function_spec
 from tools.fakes import EchoTool
 from tools.functions import Toolbox
 from tools.registry import build_tool
+from tools.sandbox.local_sandbox import LocalPythonSandbox
 from tools.sandbox_fusion.client import SandboxFusionTool
 
 

@@ -9,17 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tools import (
-    BUILTIN_TOOLS,
-    E2BTool,
-    EchoTool,
-    LocalPythonSandbox,
-    SandboxFusionTool,
-    ToolCall,
-    ToolConfigError,
-    build_tool,
-    known_tools,
-)
+from tools.base import ToolCall, ToolConfigError
+from tools.e2b import E2BTool
+from tools.fakes import EchoTool
+from tools.registry import BUILTIN_TOOLS, build_tool, known_tools
+from tools.sandbox.local_sandbox import LocalPythonSandbox
+from tools.sandbox_fusion.client import SandboxFusionTool
 
 SPECS_YAML = """
 python:

@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 
 from tests.tools.conftest import REPO_ROOT, SMALL_LIMITS, child_pids, pids_with_cmdline
-from tools import LocalPythonSandbox, LocalSandboxSettings, ToolCall, ToolUnavailableError
+from tools.base import ToolCall, ToolUnavailableError
 from tools.sandbox._bwrap import build_bwrap_argv, probe_interpreter
+from tools.sandbox.local_sandbox import LocalPythonSandbox
+from tools.settings import LocalSandboxSettings
 
 
 async def test_print_returns_ok_with_stdout_and_timings(sandbox: LocalPythonSandbox) -> None:

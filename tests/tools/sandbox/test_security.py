@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 
 from tests.tools.conftest import REPO_ROOT, SMALL_LIMITS, child_pids, pids_with_cmdline, pids_with_uid_in
-from tools import LocalPythonSandbox, LocalSandboxSettings, ToolCall, ToolResult
+from tools.base import ToolCall, ToolResult
+from tools.sandbox.local_sandbox import LocalPythonSandbox
+from tools.settings import LocalSandboxSettings
 
 SECRET_NAME = "VCPO_TEST_SECRET"
 

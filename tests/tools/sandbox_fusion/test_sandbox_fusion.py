@@ -19,10 +19,11 @@ import httpx
 import pytest
 
 from tests.tools.conftest import REPO_ROOT
-from tools import SandboxFusionClientSettings, SandboxFusionTool, SandboxServerSettings, ToolCall
-from tools.base import ToolConfigError, ToolUnavailableError
+from tools.base import ToolCall, ToolConfigError, ToolUnavailableError
 from tools.sandbox_fusion._circuit_breaker import CircuitBreaker, CircuitOpenError
+from tools.sandbox_fusion.client import SandboxFusionTool
 from tools.sandbox_fusion.server import check_bind_host
+from tools.settings import SandboxFusionClientSettings, SandboxServerSettings
 
 sandbox_fusion = pytest.importorskip("sandbox_fusion", reason="pip install sandbox-fusion==0.3.7 (dev extra)")
 
