@@ -6,7 +6,7 @@ Modules: `is_weights` (log-ratios, IS weights, their truncation, the ESS), `step
 staleness step-size rules), `opob` (the off-policy optimal baseline), `otb` (the optimal token baseline),
 `advantages` and `groups` (group statistics), `objectives/` (one policy objective per class, the registry's
 by name), `policy_losses` and `aggregation` (per-token losses and their reduction), `corrections`
-(truncation and rejection stages under any objective), `stabilizers` (MIS, M2PO's and BAPO's masks and
+(truncation and rejection stages under any objective), `stabilizers` (M2PO's and BAPO's masks and
 bounds), `regularizers` (KL and entropy terms), `registry` (objectives and step-size rules by name),
 `metrics` (staleness and IS metrics).
 

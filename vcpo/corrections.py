@@ -38,7 +38,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -47,7 +47,9 @@ from vcpo.advantages import dr_grpo_advantages
 from vcpo.groups import index_groups
 from vcpo.is_weights import DEFAULT_MAX_LOG_RATIO
 from vcpo.metrics import STALENESS_HIST_BINS, staleness_bin
-from vcpo.objectives.base import PolicyLossInputs
+
+if TYPE_CHECKING:
+    from vcpo.objectives.base import PolicyLossInputs
 
 TOKEN, SEQUENCE, TRUNCATION = "token", "sequence", "truncation"
 """A stage's level: what it acts on, and so its place in the order (module docstring)."""
@@ -73,6 +75,16 @@ class CorrectionView(NamedTuple):
     mask: Tensor
     negative: Tensor
     max_log_ratio: float
+
+    @classmethod
+    def of(cls, old_logprobs: Tensor, behavior_logprobs: Tensor, sampled: Tensor, max_log_ratio: float,
+           negative: Tensor | None = None) -> CorrectionView:
+        """The view of finite (B, T) log π_old and log μ on the `sampled` tokens (`negative` None: no
+        trajectory is negative — only OPSM reads it)."""
+        raw = torch.where(sampled, old_logprobs.detach().float() - behavior_logprobs.detach().float(), 0.0)
+        if negative is None:
+            negative = torch.zeros(sampled.shape[0], dtype=torch.bool, device=sampled.device)
+        return cls(raw.clamp(-max_log_ratio, max_log_ratio), raw, sampled, negative, max_log_ratio)
 
     def sequence_log_ratio(self) -> Tensor:
         """(B,) L_i = Σ ℓ_t over `mask`, unclamped (the objective's L_i)."""
@@ -111,6 +123,10 @@ class TokenTruncation:
         """(B, T) π_old/μ of each token, before the cap."""
         return view.token_log_ratio.exp()
 
+    def weights(self, view: CorrectionView) -> Tensor:
+        """(B, T) the detached weight of every token in `view.mask`, the cap applied; 0 elsewhere."""
+        return torch.where(view.mask, self.uncapped(view).clamp(max=self.cap), 0.0)
+
 
 @dataclass(frozen=True)
 class SequenceTruncation:
@@ -129,6 +145,10 @@ class SequenceTruncation:
         """(B, T) w_i on every position of trajectory i, before the cap."""
         log_w = view.sequence_log_ratio().clamp(-view.max_log_ratio, view.max_log_ratio)
         return log_w.exp()[:, None].expand(view.mask.shape)
+
+    def weights(self, view: CorrectionView) -> Tensor:
+        """(B, T) the detached weight of every token in `view.mask`, the cap applied; 0 elsewhere."""
+        return torch.where(view.mask, self.uncapped(view).clamp(max=self.cap), 0.0)
 
 
 @dataclass(frozen=True)
@@ -310,11 +330,9 @@ def apply_corrections(
         finite_values = torch.isfinite(old) & torch.isfinite(behavior)
         usable = torch.isfinite(rewards) & (finite_values | ~loss_mask).all(dim=-1)
         sampled = loss_mask & usable[:, None]
-        raw = torch.where(sampled, old - behavior, 0.0)
-        clamped = raw.clamp(-max_log_ratio, max_log_ratio)
         safe_rewards = torch.where(usable, rewards.float(), 0.0)
         negative = dr_grpo_advantages(safe_rewards, index_groups(group_ids), usable) < 0
-        view = CorrectionView(clamped, raw, sampled, negative, max_log_ratio)
+        view = CorrectionView.of(old, behavior, sampled, max_log_ratio, negative)
         metrics: dict[str, Tensor] = {}
 
         def report(label: str, removed: Tensor) -> None:
@@ -346,9 +364,8 @@ def apply_corrections(
         weights = None
         final = view._replace(mask=kept)
         for stage in (s for s in stages if s.level == TRUNCATION):
-            uncapped = stage.uncapped(final)
-            weights = torch.where(kept, uncapped.clamp(max=stage.cap), 0.0)
-            capped = kept & (uncapped > stage.cap)
+            weights = stage.weights(final)
+            capped = kept & (stage.uncapped(final) > stage.cap)
             metrics[stage_metric(stage.label, "truncated_tokens")] = _fraction(capped, kept)
             metrics[stage_metric(stage.label, "weight_mean")] = weights.sum() / kept.sum().clamp_min(1)
         passed = loss_mask & ~usable[:, None]  # non-finite rows: left for the objective to exclude

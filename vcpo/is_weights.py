@@ -63,28 +63,6 @@ def truncated_is_weights(is_weights: Tensor, cap: float = 8.0) -> Tensor:
     return is_weights.clamp(max=cap)
 
 
-def token_tis_weights(
-    old_logprobs: Tensor,
-    behavior_logprobs: Tensor,
-    loss_mask: Tensor,
-    cap: float = 2.0,
-    max_log_ratio: float = DEFAULT_MAX_LOG_RATIO,
-) -> Tensor:
-    """Token-level truncated IS weights min(π_old/μ, C_tok) → (B, T) fp32, 0 off the mask, no grad.
-
-    old_logprobs: (B, T) log π_old (proximal policy) of the sampled tokens.
-    behavior_logprobs: (B, T) log μ of the sampled tokens.
-    loss_mask: (B, T) bool generated positions.
-    cap: C_tok (docs/algorithm.md default 2).
-    Reference: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-    Training" (truncated IS for the rollout/trainer mismatch).
-    """
-    log_ratio = clamp_log_ratios(token_log_ratios(old_logprobs, behavior_logprobs, loss_mask), max_log_ratio)
-    # ρ_t = min(π_old(y_t)/μ(y_t), C_tok)
-    weights = log_ratio.exp().clamp(max=cap)
-    return torch.where(loss_mask, weights, torch.zeros_like(weights))
-
-
 def effective_sample_size(log_weights: Tensor, valid: Tensor | None = None) -> Tensor:
     """ESS = (Σ_i w_i)² / Σ_i w_i² over the valid entries, from log-weights → 0-d fp32.
 

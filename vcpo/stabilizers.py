@@ -1,8 +1,6 @@
-"""Masking / clipping stabilizers for stale data: MIS, M2PO's second-moment mask, BAPO's bounds.
+"""Masking / clipping stabilizers for stale data: M2PO's second-moment mask, BAPO's bounds. (MIS's band
+and weights are the correction stages', vcpo/corrections.py.)
 
-* MIS (masked importance sampling): keep the IS weight where the ratio lies in [1/C, C], drop the
-  token (or the whole trajectory) otherwise. Reference: Liu, Li, et al. 2025, "When Speed Kills
-  Stability: Demystifying RL Collapse from the Training-Inference Mismatch".
 * M2PO: per minibatch, mask the tokens with the largest (log r)² until the mean of (log r)² over
   the kept tokens is ≤ τ. Reference: Zheng, Zhao, Chen 2025, "Prosperity before Collapse: How Far
   Can Off-Policy RL Reach with Stale Data on LLMs?" (arXiv:2510.01161).
@@ -22,55 +20,6 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-
-from vcpo.is_weights import DEFAULT_MAX_LOG_RATIO, clamp_log_ratios, token_log_ratios
-
-
-class MaskedWeights(NamedTuple):
-    """weights: (B, T) fp32 IS weight on kept tokens, 0 on dropped or untrained ones.
-    kept: (B, T) bool, trained tokens that survived the mask."""
-
-    weights: Tensor
-    kept: Tensor
-
-
-def token_mis_weights(
-    old_logprobs: Tensor,
-    behavior_logprobs: Tensor,
-    loss_mask: Tensor,
-    cap: float = 2.0,
-    max_log_ratio: float = DEFAULT_MAX_LOG_RATIO,
-) -> MaskedWeights:
-    """Token MIS: ρ_t = π_old/μ kept where 1/C ≤ ρ_t ≤ C, else the token is dropped.
-
-    old_logprobs: (B, T) log π_old. behavior_logprobs: (B, T) log μ. loss_mask: (B, T) bool.
-    cap: C > 1.
-    """
-    log_ratio = clamp_log_ratios(token_log_ratios(old_logprobs, behavior_logprobs, loss_mask), max_log_ratio)
-    bound = math.log(cap)
-    # keep ⇔ ρ_t ∈ [1/C, C] ⇔ |log ρ_t| ≤ log C
-    kept = loss_mask & (log_ratio.abs() <= bound)
-    weights = torch.where(kept, log_ratio.exp(), torch.zeros_like(log_ratio))
-    return MaskedWeights(weights, kept)
-
-
-def sequence_mis_weights(
-    seq_log_ratios: Tensor,
-    loss_mask: Tensor,
-    cap: float = 8.0,
-    max_log_ratio: float = DEFAULT_MAX_LOG_RATIO,
-) -> MaskedWeights:
-    """Sequence MIS: w_i = exp(L_i) kept where 1/C ≤ w_i ≤ C, else the whole trajectory is dropped.
-
-    seq_log_ratios: (B,) L_i = Σ_{t∈M_i} log π_old − log μ. loss_mask: (B, T) bool. cap: C > 1.
-    """
-    log_w = clamp_log_ratios(seq_log_ratios.float(), max_log_ratio)
-    keep_sequence = log_w.abs() <= math.log(cap)  # w_i ∈ [1/C, C]
-    kept = loss_mask & keep_sequence[:, None]
-    weights = torch.where(
-        kept, log_w.exp()[:, None].expand_as(kept), torch.zeros(kept.shape, device=kept.device)
-    )
-    return MaskedWeights(weights, kept)
 
 
 class SecondMomentMask(NamedTuple):

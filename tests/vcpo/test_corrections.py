@@ -19,6 +19,7 @@ from vcpo.corrections import (
     CORRECTION_REJECTED_BY_LAG,
     CORRECTION_REJECTED_TOKENS,
     CORRECTION_REJECTED_TRAJECTORIES,
+    CorrectionView,
     GeometricRejection,
     K3Rejection,
     OffPolicySequenceMasking,
@@ -442,3 +443,26 @@ def test_geo_reject_reads_unclamped_token_ratios_as_skyrl_where_verl_clamps_each
     ours = apply_corrections(geo, old, rollout, mask, torch.ones(1), torch.arange(1))
     verl = _verl_rejection_mask(old - rollout, mask.float(), ["seq_mean_k1"], ["0.5_2.0"])
     assert ours.loss_mask.all() and verl.all()
+
+
+def test_the_stages_weights_by_hand_as_token_tis_and_mis_use_them() -> None:
+    """The weights the token_tis and mis objectives take from the stages: token truncation at 2 (ratios
+    1/4 → 0.25, 4 → 2, an untrained token 0); MIS's token band [1/2, 2] keeps 0.5 (inclusive) and 1, drops 4,
+    each kept token weighing its ratio; its sequence band [1/8, 8] drops a trajectory with w = 16 and keeps
+    one with w = 4 at weight 4 on its trained token."""
+    old = torch.zeros(1, 4)
+    behavior = torch.log(tensor([[4.0, 1 / 4, 2.0, 1.0]]))  # π_old/μ = [1/4, 4, 1/2, 1]
+    mask = torch.tensor([[True, True, True, False]])
+    view = CorrectionView.of(old, behavior, mask, max_log_ratio=20.0)
+    torch.testing.assert_close(TokenTruncation(2.0).weights(view), tensor([[0.25, 2.0, 0.5, 0.0]]))
+    kept = TokenRejection(0.5, 2.0).keep(view) & view.mask
+    assert kept.tolist() == [[False, False, True, False]]
+    torch.testing.assert_close(TokenTruncation(2.0).weights(view._replace(mask=kept)),
+                               tensor([[0.0, 0.0, 0.5, 0.0]]))
+    old = torch.log(tensor([[16.0, 1.0], [4.0, 1.0]]))
+    mask = torch.tensor([[True, True], [True, False]])
+    view = CorrectionView.of(old, torch.zeros(2, 2), mask, max_log_ratio=20.0)
+    kept = SequenceRejection(1 / 8, 8.0).keep(view)[:, None] & mask
+    assert kept.tolist() == [[False, False], [True, False]]
+    torch.testing.assert_close(SequenceTruncation(8.0).weights(view._replace(mask=kept)),
+                               tensor([[0.0, 0.0], [4.0, 0.0]]))

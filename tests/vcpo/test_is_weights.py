@@ -11,7 +11,6 @@ from vcpo.is_weights import (
     sequence_is_weights,
     sequence_log_ratios,
     token_log_ratios,
-    token_tis_weights,
     truncated_is_weights,
 )
 
@@ -36,14 +35,6 @@ def test_sequence_weights_clamp_the_log_ratio_before_exp():
 def test_truncated_weights_cap_at_c():
     # w̄ = min(w, 8): 0.5 → 0.5, 8 → 8, 100 → 8
     assert truncated_is_weights(tensor([0.5, 8.0, 100.0]), cap=8.0).tolist() == [0.5, 8.0, 8.0]
-
-
-def test_token_tis_weights_are_truncated_ratios_of_old_to_behavior():
-    old = tensor([[0.0, 0.0, 0.0]])
-    behavior = tensor([[math.log(4.0), -math.log(4.0), 0.0]])
-    mask = torch.tensor([[True, True, False]])
-    # π_old/μ = 1/4 → 0.25; 4 → capped at 2; masked → 0
-    torch.testing.assert_close(token_tis_weights(old, behavior, mask, cap=2.0), tensor([[0.25, 2.0, 0.0]]))
 
 
 def test_ess_ratio_is_exactly_one_for_equal_weights():

@@ -1,4 +1,4 @@
-"""MIS masks, M2PO's second-moment mask, BAPO's adaptive bounds."""
+"""M2PO's second-moment mask, BAPO's adaptive bounds."""
 
 import math
 
@@ -10,27 +10,7 @@ from vcpo.stabilizers import (
     bapo_bounds,
     bapo_candidate_bounds,
     m2po_mask,
-    sequence_mis_weights,
-    token_mis_weights,
 )
-
-
-def test_token_mis_keeps_ratios_inside_the_range_with_their_weight():
-    old = torch.zeros(1, 4)
-    behavior = torch.log(tensor([[1 / 4, 2.0, 1.0, 1.0]]))  # π_old/μ = [4, 0.5, 1, 1]
-    mask = torch.tensor([[True, True, True, False]])
-    result = token_mis_weights(old, behavior, mask, cap=2.0)
-    # 4 ∉ [0.5, 2] dropped; 0.5 kept (inclusive) with weight 0.5; 1 kept; untrained → not kept
-    assert result.kept.tolist() == [[False, True, True, False]]
-    torch.testing.assert_close(result.weights, tensor([[0.0, 0.5, 1.0, 0.0]]))
-
-
-def test_sequence_mis_drops_whole_trajectories():
-    mask = torch.tensor([[True, True], [True, False]])
-    result = sequence_mis_weights(torch.log(tensor([16.0, 4.0])), mask, cap=8.0)
-    # w = 16 ∉ [1/8, 8] → drop trajectory 0; w = 4 kept on its trained token
-    assert result.kept.tolist() == [[False, False], [True, False]]
-    torch.testing.assert_close(result.weights, tensor([[0.0, 0.0], [4.0, 0.0]]))
 
 
 def test_m2po_masks_the_largest_squared_log_ratios_until_the_mean_is_below_tau():

@@ -26,10 +26,16 @@ from typing import ClassVar
 import torch
 
 from vcpo.advantages import dr_grpo_advantages, grpo_advantages
-from vcpo.is_weights import token_tis_weights
+from vcpo.corrections import (
+    CorrectionView,
+    SequenceRejection,
+    SequenceTruncation,
+    TokenRejection,
+    TokenTruncation,
+)
 from vcpo.objectives.base import ADVANTAGES, BatchContext, ObjectiveBase, PreparedBatch, Surrogate
 from vcpo.policy_losses import clipped_surrogate, ppo_clip_token_loss, ratio_token_loss, reinforce_token_loss
-from vcpo.stabilizers import bapo_bounds, m2po_mask, sequence_mis_weights, token_mis_weights
+from vcpo.stabilizers import bapo_bounds, m2po_mask
 
 
 def _grpo_rows(batch: PreparedBatch) -> dict[str, torch.Tensor]:
@@ -130,6 +136,12 @@ class DrGRPO(PpoClipOptions, ObjectiveBase):
         return self._clipped_loss(batch, context)
 
 
+def _view(objective: ObjectiveBase, batch: PreparedBatch) -> CorrectionView:
+    """What a correction stage reads of the batch: ℓ_t = log π_old − log μ on its trained tokens."""
+    return CorrectionView.of(batch.old_logprobs, batch.behavior_logprobs, batch.loss_mask,
+                             objective.max_log_ratio)
+
+
 @dataclass(frozen=True)
 class TokenTIS(PpoClipOptions, ObjectiveBase):
     """Token TIS: GRPO advantages, PPO-clip on π_θ/π_old, × min(π_old/μ, C_tok) per token (detached).
@@ -147,13 +159,8 @@ class TokenTIS(PpoClipOptions, ObjectiveBase):
         return PpoClipOptions._check_options(self) + cap_problem
 
     def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
-        weights = token_tis_weights(
-            batch.old_logprobs,
-            batch.behavior_logprobs,
-            batch.loss_mask,
-            self.token_is_cap,
-            self.max_log_ratio,
-        )  # ρ_t = min(π_old/μ, C_tok)
+        # ρ_t = min(π_old/μ, C_tok): the token truncation stage's weight (vcpo/corrections.py)
+        weights = TokenTruncation(self.token_is_cap).weights(_view(self, batch))
         surrogate = self._clipped_loss(batch, context, weights)
         weight_mean = weights.sum() / batch.loss_mask.sum().clamp_min(1)
         return surrogate._replace(metrics={"is/token_weight_mean": weight_mean})
@@ -185,16 +192,19 @@ class MIS(PpoClipOptions, ObjectiveBase):
         return problems
 
     def _surrogate(self, batch: PreparedBatch, context: BatchContext) -> Surrogate:
+        # the correction stages' band [1/C, C] and truncation at C (vcpo/corrections.py); unlike a rejection
+        # stage, a dropped token stays in token-mean's denominator (MIS weighs it 0)
+        view = _view(self, batch)
+        band = (1.0 / self.is_cap, self.is_cap)
         if self.level == "token":
-            kept = token_mis_weights(
-                batch.old_logprobs, batch.behavior_logprobs, batch.loss_mask, self.is_cap, self.max_log_ratio
-            )
+            kept = TokenRejection(*band).keep(view) & view.mask
+            truncation: TokenTruncation | SequenceTruncation = TokenTruncation(self.is_cap)
         else:
-            kept = sequence_mis_weights(
-                batch.seq_log_ratios, batch.loss_mask, self.is_cap, self.max_log_ratio
-            )
-        surrogate = self._clipped_loss(batch, context, kept.weights)
-        return surrogate._replace(masked=batch.loss_mask & ~kept.kept)
+            kept = SequenceRejection(*band).keep(view)[:, None] & view.mask
+            truncation = SequenceTruncation(self.is_cap)
+        weights = truncation.weights(view._replace(mask=kept))
+        surrogate = self._clipped_loss(batch, context, weights)
+        return surrogate._replace(masked=batch.loss_mask & ~kept)
 
 
 @dataclass(frozen=True)
