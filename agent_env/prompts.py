@@ -29,11 +29,16 @@ def render_messages(system: str | None, user: str, sample: Sample) -> list[dict[
 
 
 def render_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
-                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+                      tools: list[dict[str, Any]] | None = None, *,
+                      continue_final_message: bool = False) -> list[int]:
     """Token ids of `messages` with the model's chat template and the assistant turn opened; `tools`
-    (function calling) are the JSON schemas the template shows the model."""
-    extra = {"tools": tools} if tools else {}  # no key at all without tools: the template renders as before
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+    (function calling) are the JSON schemas the template shows the model. `continue_final_message`: the
+    last message is an assistant turn left open, to be continued (no new turn is opened)."""
+    extra: dict[str, Any] = {"tools": tools} if tools else {}  # no key without tools: renders as before
+    if continue_final_message:
+        extra["continue_final_message"] = True
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=not continue_final_message,
+                                        tokenize=True, **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
     return [int(i) for i in ids]

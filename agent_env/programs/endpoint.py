@@ -204,8 +204,9 @@ class ProgramEndpoint:
     async def _chat(self, key: str, body: Any) -> dict[str, Any]:
         recorder = self._recorder(key)
         messages, tools = self._chat_input(body)
+        continuing = self._continues(body, messages)
         try:
-            context = render_prompt_ids(self.tokenizer, messages, tools)
+            context = render_prompt_ids(self.tokenizer, messages, tools, continue_final_message=continuing)
         except Exception as exc:  # the template refused the messages
             raise self._malformed(f"the chat template cannot render these messages ({exc})") from None
         result, calls = await self._generate(key, recorder, context, body, with_tools=bool(tools))
@@ -255,6 +256,24 @@ class ProgramEndpoint:
             raise self._malformed("`tools` must be a list of objects")
         return [self._template_message(m) for m in messages], tools or None
 
+    def _continues(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> bool:
+        """vLLM's `continue_final_message` (with `add_generation_prompt: false`): the last message, an
+        assistant turn, is continued instead of a new turn being opened."""
+        continuing = body.get("continue_final_message", False)
+        opening = body.get("add_generation_prompt", True)
+        if not isinstance(continuing, bool) or not isinstance(opening, bool):
+            raise self._malformed("`continue_final_message` and `add_generation_prompt` must be booleans")
+        if continuing and opening:
+            raise self._malformed("continue_final_message needs add_generation_prompt: false (a turn is "
+                                  "either continued or a new one opened)")
+        if continuing and messages[-1].get("role") != "assistant":
+            raise self._malformed("continue_final_message continues the last message, which must be the "
+                                  f"assistant's, not {messages[-1].get('role')!r}")
+        if not continuing and not opening:
+            raise self._malformed("add_generation_prompt: false without continue_final_message would sample "
+                                  "after a closed turn; set continue_final_message: true to continue it")
+        return continuing
+
     def _template_message(self, message: dict[str, Any]) -> dict[str, Any]:
         """An OpenAI message as chat templates read it: a tool call's `arguments` an object, not a string."""
         calls = message.get("tool_calls")
@@ -275,8 +294,11 @@ class ProgramEndpoint:
 
     def _reply_text(self, result: Any, body: dict[str, Any]) -> str:
         """The sampled text as the OpenAI API returns it: without a stop string that ended it (the trained
-        tokens keep it: they are what was sampled)."""
+        tokens keep it: they are what was sampled), unless the request set vLLM's
+        `include_stop_str_in_output`."""
         text = self.tokenizer.decode(list(result.token_ids), skip_special_tokens=True)
+        if body.get("include_stop_str_in_output", False):
+            return text
         stop = body.get("stop") or ()
         for item in (stop,) if isinstance(stop, str) else stop:
             if result.finish_reason == "stop" and text.endswith(item):
@@ -293,6 +315,8 @@ class ProgramEndpoint:
         if not (isinstance(stop, list | tuple) and len(stop) <= 4
                 and all(isinstance(item, str) and item for item in stop)):
             raise self._malformed("`stop` must be a string or a list of at most 4 non-empty strings")
+        if not isinstance(body.get("include_stop_str_in_output", False), bool):
+            raise self._malformed("`include_stop_str_in_output` must be a boolean")
         async with recorder.lock:  # one call of an episode at a time: each is recorded after the last
             self._recorder(key)  # the episode may have ended while this call waited: 409 then
             room = recorder.room(context)

@@ -100,6 +100,45 @@ async def test_a_conversation_is_one_segment_and_an_edited_history_starts_anothe
     assert logprobs == [lp for r in (r1, r2, r3) for lp in r.logprobs]
 
 
+async def test_a_program_continues_its_own_assistant_turn_in_one_segment(model_dir: Path) -> None:
+    """vLLM's extensions a tool-in-the-turn loop needs: `include_stop_str_in_output` returns the stop string
+    with the text, and `continue_final_message` (with `add_generation_prompt: false`) continues the last
+    assistant message instead of opening a turn — so a program that sends back exactly what it got continues
+    the segment: the second context is the first plus the tokens sampled, nothing trained twice."""
+    tokenizer = _tokenizer()
+    async with HFEngine(model_dir, HFEngineSettings()) as hf:
+        engine = Recording(hf)
+        async with ProgramEndpoint(engine, tokenizer, SETTINGS) as endpoint:
+            client = openai.AsyncOpenAI(base_url=endpoint.open("ep"), api_key="unused", max_retries=0)
+            messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
+                                              {"role": "user", "content": QUESTION}]
+            first = await client.chat.completions.create(
+                model="policy", messages=messages, stop=["wor"],
+                extra_body={"include_stop_str_in_output": True})
+            assert first.choices[0].message.content == "Hello wor"
+            messages.append({"role": "assistant", "content": "Hello wor"})
+            second = await client.chat.completions.create(
+                model="policy", messages=messages,
+                extra_body={"continue_final_message": True, "add_generation_prompt": False})
+            assert second.choices[0].message.content == "ld."
+            for extra, why in (({"continue_final_message": True}, "add_generation_prompt: false"),
+                               ({"add_generation_prompt": False}, "set continue_final_message"),
+                               ({"include_stop_str_in_output": "yes"}, "must be a boolean")):
+                with pytest.raises(openai.BadRequestError, match=why):
+                    await client.chat.completions.create(model="policy", messages=messages, extra_body=extra)
+            with pytest.raises(openai.BadRequestError, match="must be the assistant's, not 'user'"):
+                await client.chat.completions.create(
+                    model="policy", messages=messages[:2],
+                    extra_body={"continue_final_message": True, "add_generation_prompt": False})
+            record = endpoint.close("ep")
+    assert record.calls == 2 and endpoint.counts.malformed == 4
+    (c1, c2), (r1, r2) = engine.contexts, engine.results
+    assert c2 == c1 + list(r1.token_ids)  # the open turn continued: no end of turn, no new one
+    trajectory = record.build("ep", "g", reward=1.0)
+    assert trajectory is not None and len(trajectory.segment_starts) == 1
+    assert list(trajectory.token_ids) == c2 + list(r2.token_ids)
+
+
 def _scripted(text: str) -> ScriptedEngine:
     tokenizer = build_byte_tokenizer()
     ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
