@@ -317,6 +317,51 @@ def long_horizon_seeds(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def long_horizon_versus(data: dict[str, Any]) -> str:
+    """Per seed of a long-horizon summary with `baselines`: on each set, this arm's final success, each
+    baseline's, and the difference paired by prompt with its 95% interval."""
+    names = list(next(iter(data["seeds"].values()))["versus"])
+    lines = ["| seed | set | this arm | " + " | ".join(f"{name}: success; this arm minus it (95% interval)"
+                                                      for name in names) + " |",
+             "| ---: | --- | --- | " + " | ".join("---" for _ in names) + " |"]
+    for seed, row in data["seeds"].items():
+        for label, key in (("validation", "heldout"), ("test", "test")):
+            cells = [row["versus"][name].get(key) for name in names]
+            ours = next((cell["success"] for cell in cells if cell is not None), None)
+            shown = ["—" if cell is None else
+                     f"{100 * cell['baseline_success']:.1f}%; **{_points(cell['difference'])}** "
+                     f"({_points(cell['low'])} to {_points(cell['high'])})" for cell in cells]
+            lines.append(f"| {seed} | {label} | {'—' if ours is None else f'{100 * ours:.1f}%'} | "
+                         + " | ".join(shown) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def long_horizon_ceiling(data: dict[str, Any]) -> str:
+    """examples/long_horizon/ceiling.py's figures: per set, the chains whose solver episode fits the budget
+    without compaction (by hops), and each arm's final success by hops (mean over its seeds)."""
+    sets = data["sets"]
+    hops = sorted({h for entry in sets.values() for h in entry["by_hops"]}, key=int)
+    lines = ["| | set | " + " | ".join(f"{h} hops" for h in hops) + " | all |",
+             "| --- | --- | " + " | ".join("---:" for _ in hops) + " | ---: |"]
+    for name, entry in sets.items():
+        label = "validation" if name == "heldout" else name
+        cells = [f"{entry['by_hops'][h]['solver_finishes']}/{entry['by_hops'][h]['prompts']}" for h in hops]
+        fits = f"the solver finishes inside {data['budget_tokens']} tokens without compaction"
+        lines.append(f"| {fits} | {label} | " + " | ".join(cells) + f" | {100 * entry['share']:.1f}% |")
+    for arm, seeds in data["arms"].items():
+        for name in sets:
+            label = "validation" if name == "heldout" else name
+            rows = [row[name] for row in seeds.values() if name in row]
+            cells = []
+            for h in hops:
+                found = [row["by_hops"][h]["success"] for row in rows if h in row["by_hops"]]
+                cells.append(f"{100 * sum(found) / len(found):.1f}%" if found else "—")
+            overall = sum(row["success"] for row in rows) / len(rows)
+            lines.append(f"| {arm}: final success, mean of {len(rows)} seeds | {label} | " + " | ".join(cells)
+                         + f" | {100 * overall:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
 def _retention_at_top(data: dict[str, Any], numerics: str | None = None) -> tuple[int, dict[str, Any]]:
     """(the largest lag, method → its retention row there) of a staleness summary."""
     numerics = numerics or next(e["numerics"] for e in data["summary"] if e["status"] == "ok")
@@ -607,6 +652,8 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "main_job_readme": main_job_readme,
     "main_job_other_runs": main_job_other_runs,
     "long_horizon_seeds": long_horizon_seeds,
+    "long_horizon_versus": long_horizon_versus,
+    "long_horizon_ceiling": long_horizon_ceiling,
     "results_at_a_glance": results_at_a_glance,
     "gpu_check_parts": gpu_check_parts,
     "bench_sandbox": bench_sandbox,
