@@ -258,7 +258,8 @@ def test_sandboxes_die_with_their_parent_process(tmp_path: Path) -> None:
     script = tmp_path / "owner.py"
     script.write_text(
         "import asyncio\n"
-        "from tools import LocalPythonSandbox, ToolCall\n"
+        "from tools.base import ToolCall\n"
+        "from tools.sandbox.local_sandbox import LocalPythonSandbox\n"
         "async def main():\n"
         "    async with LocalPythonSandbox() as tool:\n"
         f"        code = \"import subprocess; subprocess.run(['sleep', '{marker}'])\"\n"
