@@ -392,10 +392,16 @@ def results_at_a_glance(files: dict[str, Any]) -> str:
     if horizon is not None:
         tests = [row["eval_sets"]["test"] for row in horizon["seeds"].values()]
         above = all(t.get("gain_low", -1) > 0 for t in tests)
+        versus = [row["versus"]["truncate_tuned"]["test"] for row in horizon["seeds"].values()
+                  if "truncate_tuned" in row.get("versus", {})]
+        clear = "yes" if all(v["low"] > 0 for v in versus) else "no"
+        against = (f"; {_points(min(v['difference'] for v in versus))} to "
+                   f"{_points(max(v['difference'] for v in versus))} points above a tuned run that only "
+                   f"truncates, every interval above 0: {clear}" if versus else "")
         rows.append(f"| a long-horizon agent: 6–9 sandbox calls an episode, history compacted past its "
                     f"budget | test success {_points(min(t['gain'] for t in tests))} to "
                     f"{_points(max(t['gain'] for t in tests))} points on {len(tests)} seeds, every "
-                    f"interval above 0: {'yes' if above else 'no'} | "
+                    f"interval above 0: {'yes' if above else 'no'}{against} | "
                     "[examples/long_horizon](examples/long_horizon/README.md) |")
     synthetic, broad = files.get("staleness_10seeds"), files.get("staleness_5seeds")
     if synthetic is not None and broad is not None:
