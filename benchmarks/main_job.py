@@ -187,15 +187,16 @@ def _base_model(evidence: Path) -> dict[str, Any]:
                            for name, path in found.items() if path.is_file()}}
 
 
+def last_evaluations(evidence: Path) -> dict[str, Path]:
+    """The last evaluation file of the held-out set ("heldout") and of every eval set in a seed's evidence."""
+    folders = [("heldout", evidence / "eval"),
+               *((p.name, p) for p in sorted((evidence / "eval").iterdir()) if p.is_dir())]
+    return {name: paths[-1] for name, folder in folders if (paths := sorted(folder.glob("version_*.jsonl")))}
+
+
 def _final_results(evidence: Path) -> dict[str, HeldoutResult]:
     """The last evaluation of the held-out set and of every eval set in a seed's evidence, by set name."""
-    found: dict[str, HeldoutResult] = {}
-    for name, folder in (("heldout", evidence / "eval"),
-                         *((p.name, p) for p in sorted((evidence / "eval").iterdir()) if p.is_dir())):
-        paths = sorted(folder.glob("version_*.jsonl"))
-        if paths:
-            found[name] = result_from_file(paths[-1])
-    return found
+    return {name: result_from_file(path) for name, path in last_evaluations(evidence).items()}
 
 
 def versus_baseline(evidence: Path, baseline: Path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ import yaml  # noqa: E402
 from agent_env.datasets import load_samples  # noqa: E402
 from agent_env.demonstrations import solver_finishes  # noqa: E402
 from agent_env.evaluation.heldout import result_from_file  # noqa: E402
+from benchmarks.main_job import last_evaluations  # noqa: E402
 from configs.task_schema import TaskConfig  # noqa: E402
 from rollout.models import default_cache_dir, load_tokenizer  # noqa: E402
 from run.train.warm_start import KEYCHAIN_SOLVER  # noqa: E402
@@ -64,19 +65,14 @@ def _set_samples(task: TaskConfig, config: dict[str, Any], name: str, prompt_ids
     return [by_id[prompt] for prompt in prompt_ids]
 
 
-def _last_eval(folder: Path) -> Path:
-    return sorted(folder.glob("version_*.jsonl"))[-1]
-
-
 def ceiling(evidence: Path, tokenizer: Any) -> dict[str, Any]:
     """Per set the truncating arm evaluated: the prompts whose solver episode ends inside its budget, by
     chain length."""
     config = yaml.safe_load((evidence / "config.yaml").read_text())
     task, _ = load_task(ROOT / config["task"], config["task_overrides"])
     sets: dict[str, Any] = {}
-    for name, folder in (("heldout", evidence / "eval"),
-                         *((p.name, p) for p in sorted((evidence / "eval").iterdir()) if p.is_dir())):
-        samples = _set_samples(task, config, name, _prompts(_last_eval(folder)))
+    for name, last in last_evaluations(evidence).items():
+        samples = _set_samples(task, config, name, _prompts(last))
         finishes = solver_finishes(task, samples, tokenizer, KEYCHAIN_SOLVER)
         by_hops: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         for sample in samples:
@@ -97,9 +93,8 @@ def arm_by_hops(evidence_root: Path, hops_of: dict[str, dict[str, int]]) -> dict
     seeds: dict[str, Any] = {}
     for seed_dir in sorted(evidence_root.glob("seed_*")):
         row: dict[str, Any] = {}
-        for name, folder in (("heldout", seed_dir / "eval"),
-                             *((p.name, p) for p in sorted((seed_dir / "eval").iterdir()) if p.is_dir())):
-            result = result_from_file(_last_eval(folder))
+        for name, last in last_evaluations(seed_dir).items():
+            result = result_from_file(last)
             split: dict[int, list[float]] = defaultdict(lambda: [0, 0.0])
             for prompt, score in result.per_prompt.items():
                 cell = split[hops_of[name][prompt]]
