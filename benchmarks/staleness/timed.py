@@ -33,9 +33,10 @@ from benchmarks.staleness import bench as staleness_bench
 from benchmarks.staleness import tasks as staleness_tasks
 from benchmarks.staleness.schema import StalenessMethodConfig, StalenessTimedBenchConfig
 from configs.schema import RunConfig
-from rollout.lag_control import ROLLOUT_MAX_LAG
+from rollout.lag_control import ROLLOUT_LAG_JUDGED_ESS, ROLLOUT_LAG_MISMATCH_ESS, ROLLOUT_MAX_LAG
 from rollout.sim_clock import SIM_IDLE_FRACTION, SIM_TIME
 from run.launch.host import host_description
+from vcpo.metrics import IS_MISMATCH_ESS_RATIO, IS_MISMATCH_LOG_W_MEAN
 
 
 def learner_seconds(episode_median_s: float, episode_sigma: float, episodes_per_batch: int) -> float:
@@ -64,11 +65,24 @@ def fit_episode_times(tokens: list[int], tokens_per_s: float) -> tuple[float, fl
 # One run (in a worker process)
 
 
+TIMED_CURVE_KEYS = {
+    "sim_time": SIM_TIME,
+    "sim_idle_fraction": SIM_IDLE_FRACTION,
+    "max_lag": ROLLOUT_MAX_LAG,
+    "mismatch_ess_ratio": IS_MISMATCH_ESS_RATIO,
+    "mismatch_log_w_mean": IS_MISMATCH_LOG_W_MEAN,
+    "lag_judged_ess_ratio": ROLLOUT_LAG_JUDGED_ESS,
+    "lag_mismatch_floor": ROLLOUT_LAG_MISMATCH_ESS,
+}
+"""Curves of the timeline and of the bound's controller, beside the synthetic preset's: the lag-0 (engine
+numerics) part of the behaviour ratio, what the controller judged and the mismatch floor it divided by."""
+
+
 def run_config(bench: StalenessTimedBenchConfig, method: StalenessMethodConfig, lag: int | str, seed: int,
-               model_dir: Path, task_path: Path, run_dir: Path) -> RunConfig:
+               model_dir: Path, task_path: Path, run_dir: Path, numerics: str = "matched") -> RunConfig:
     """The synthetic preset's run (benchmarks/staleness/bench.py) on the timeline: lags decided by it, not
     saturated; a checkpoint every `eval_every` steps, all kept (each is one point of the score's curve)."""
-    base = staleness_bench.run_config_dict(bench, method, 0, seed, "matched", model_dir, task_path, run_dir)
+    base = staleness_bench.run_config_dict(bench, method, 0, seed, numerics, model_dir, task_path, run_dir)
     base["rollout"] = {"max_lag": lag, "groups_per_step": bench.groups_per_step, "saturate_lag": False,
                        "auto_lag": bench.auto_lag.model_dump(), "simulated_clock": bench.clock.model_dump()}
     base["trainer"].update(checkpoint_every=bench.eval_every,
@@ -83,10 +97,9 @@ def run_timed(bench: StalenessTimedBenchConfig, method: StalenessMethodConfig, l
     from run.train.checkpointing import checkpoint_root, load_checkpoint
 
     started = time.perf_counter()
-    config = run_config(bench, method, lag, seed, model_dir, task_path, run_dir)
+    config = run_config(bench, method, lag, seed, model_dir, task_path, run_dir, numerics)
     summary, records = staleness_bench.train_run(config, task_path, run_dir)
-    keys = {**staleness_bench.CURVE_KEYS, "sim_time": SIM_TIME, "sim_idle_fraction": SIM_IDLE_FRACTION,
-            "max_lag": ROLLOUT_MAX_LAG}
+    keys = {**staleness_bench.CURVE_KEYS, **TIMED_CURVE_KEYS}
     curves = {name: [staleness_bench.number(record.get(key)) for record in records]
               for name, key in keys.items()}
     sim_time = {int(record["trainer_step"]): float(record[SIM_TIME]) for record in records}
@@ -99,7 +112,8 @@ def run_timed(bench: StalenessTimedBenchConfig, method: StalenessMethodConfig, l
             "steps": summary.steps, "wall_s": round(time.perf_counter() - started, 1), "final_success": final,
             "score_curve": score, "sim_time_s": sim_time[max(sim_time)],
             "mean_bound": statistics.fmean(bounds) if bounds else None, "host": host_description(),
-            "curves": curves, **staleness_bench.summarize_curves(curves, bench.collapse_fraction)}
+            "curves": curves, **staleness_bench.summarize_curves(curves, bench.collapse_fraction),
+            **mismatch_summary(curves)}
 
 
 def _checkpoint_scores(bench: StalenessTimedBenchConfig, model_dir: Path, root: Path,
@@ -127,10 +141,11 @@ def _checkpoint_scores(bench: StalenessTimedBenchConfig, model_dir: Path, root: 
 
 
 def jobs(bench: StalenessTimedBenchConfig) -> list[staleness_bench.Job]:
-    """Every (method, k, seed): 'auto' and the largest k first (the longest runs start early)."""
+    """Every (method, k, seed, numerics): 'auto' and the largest k first (the longest runs start early)."""
     chosen = [m for m in bench.methods if bench.only is None or m.name in bench.only]
     order = sorted(bench.lags, key=lambda lag: -math.inf if lag == "auto" else -float(lag))
-    return [(m, lag, seed, "matched") for lag in order for m in chosen for seed in bench.seeds]  # type: ignore[misc]
+    return [(m, lag, seed, numerics) for lag in order for m in chosen for seed in bench.seeds  # type: ignore[misc]
+            for numerics in bench.numerics_at(lag)]
 
 
 def time_to_score(curve: list[dict[str, float]], target: float) -> float:
@@ -141,14 +156,18 @@ def time_to_score(curve: list[dict[str, float]], target: float) -> float:
 def timed_summary(bench: StalenessTimedBenchConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per (method, k): final score and time to score over seeds; per method: the goal's verdict."""
     table, verdicts = [], []
-    for method in bench.methods:
-        mine = [r for r in rows if r["method"] == method.name and "error" not in r]
+    for method, numerics in ((m, n) for m in bench.methods for n in bench.numerics):
+        mine = [r for r in rows if r["method"] == method.name and "error" not in r
+                and r.get("numerics", "matched") == numerics]
         base = [r["final_success"] for r in mine if r["lag"] == 0]
         target = bench.target_fraction * statistics.fmean(base) if base else None
         cells = {}
         for lag in bench.lags:
+            if numerics not in bench.numerics_at(lag):
+                continue
             runs = [r for r in mine if r["lag"] == lag]
-            entry: dict[str, Any] = {"method": method.name, "lag": lag, "lr": method.lr, "seeds": len(runs)}
+            entry: dict[str, Any] = {"method": method.name, "lag": lag, "lr": method.lr, "seeds": len(runs),
+                                     **({"numerics": numerics} if numerics != "matched" else {})}
             if not runs:
                 entry["status"] = "not run"
             else:
@@ -162,11 +181,30 @@ def timed_summary(bench: StalenessTimedBenchConfig, rows: list[dict[str, Any]]) 
                              final_success_per_seed=finals, target=target, time_to_target=t_mean,
                              time_to_target_ci95=t_half, time_to_target_per_seed=times, never_reached=never,
                              **{key: _mean_of(runs, key)
-                                for key in ("sim_time_s", "mean_lag", "mean_bound", "median_ess_ratio")})
+                                for key in ("sim_time_s", "mean_lag", "mean_bound", "median_ess_ratio")},
+                             **({key: _mean_of(runs, key) for key in MISMATCH_SUMMARY}
+                                if numerics != "matched" else {}))
             cells[lag] = entry
             table.append(entry)
-        verdicts.append(_verdict(bench, method.name, cells))
+        verdict = _verdict(bench, method.name, cells)
+        verdicts.append({**verdict, "numerics": numerics} if numerics != "matched" else verdict)
     return {"table": table, "verdicts": verdicts}
+
+
+MISMATCH_SUMMARY = ("median_mismatch_ess_ratio", "min_mismatch_ess_ratio", "median_judged_ess_ratio")
+"""Per run, over its steps (NaN steps skipped): the lag-0 part of the behaviour ratio's ESS and the ratio
+the bound's controller judged — summarised where the engine's numerics differ from the learner's."""
+
+
+def mismatch_summary(curves: dict[str, list[float | None]]) -> dict[str, float | None]:
+    """The MISMATCH_SUMMARY numbers of one run's curves (None where the curve has no value)."""
+    def values(name: str) -> list[float]:
+        return [v for v in curves.get(name, []) if v is not None and math.isfinite(v)]
+
+    mismatch, judged = values("mismatch_ess_ratio"), values("lag_judged_ess_ratio")
+    return {"median_mismatch_ess_ratio": statistics.median(mismatch) if mismatch else None,
+            "min_mismatch_ess_ratio": min(mismatch) if mismatch else None,
+            "median_judged_ess_ratio": statistics.median(judged) if judged else None}
 
 
 def _mean_of(runs: list[dict[str, Any]], key: str) -> float | None:
@@ -203,28 +241,45 @@ def format_timed(result: dict[str, Any]) -> str:
              "mean bound | ESS median |", "|---|---|---|---|---|---|---|---|---|"]
     for e in summary["table"]:
         if e["status"] != "ok":
-            lines.append(f"| {e['method']} | {e['lag']} | {e['status']} |" + " |" * 6)
+            lines.append(f"| {_label(e)} | {e['lag']} | {e['status']} |" + " |" * 6)
             continue
         score = f"{e['final_success']:.3f}" + (f" ± {e['final_success_ci95']:.3f}"
                                                if e["final_success_ci95"] is not None else "")
         clock = "never" if not math.isfinite(e["time_to_target"]) else f"{e['time_to_target']:.0f} s" + (
             f" ± {e['time_to_target_ci95']:.0f}" if e["time_to_target_ci95"] is not None else "")
-        lines.append(f"| {e['method']} | {e['lag']} | {score} | {clock} | {e['never_reached']}/{e['seeds']} "
+        lines.append(f"| {_label(e)} | {e['lag']} | {score} | {clock} | {e['never_reached']}/{e['seeds']} "
                      f"| {_fmt(e['sim_time_s'], '.0f')} s | {_fmt(e['mean_lag'], '.1f')} | "
                      f"{_fmt(e['mean_bound'], '.1f')} | {_fmt(e['median_ess_ratio'], '.2f')} |")
     lines += ["", "| method | auto: score vs best fixed k | auto: time vs fastest fixed k | goal met |",
               "|---|---|---|---|"]
     for v in summary["verdicts"]:
         if v["status"] != "ok":
-            lines.append(f"| {v['method']} | {v['status']} | | |")
+            lines.append(f"| {_label(v)} | {v['status']} | | |")
             continue
         score = "within" if v["score_within_tolerance"] else "NOT within"
         clock = "within" if v["time_within_tolerance"] else "NOT within"
-        lines.append(f"| {v['method']} | {v['auto_score']:.3f} vs {v['best_fixed_score']:.3f} (k = "
+        lines.append(f"| {_label(v)} | {v['auto_score']:.3f} vs {v['best_fixed_score']:.3f} (k = "
                      f"{v['best_fixed_lag']}): {score} | {_seconds(v['auto_time'])} vs "
                      f"{_seconds(v['fastest_fixed_time'])} (k = {v['fastest_fixed_lag']}): {clock} | "
                      f"{'yes' if v['goal_met'] else 'no'} |")
+    mismatched = [e for e in summary["table"] if e.get("numerics") and e["status"] == "ok"]
+    if mismatched:
+        judge = result["config"].get("auto_lag", {}).get("judge", "staleness")
+        lines += ["", "The engine's numerics apart from staleness (means over seeds of each run's median; "
+                  f"`auto` judged by `{judge}`): the lag-0 trajectories' ESS ratio (the mismatch alone) and "
+                  "the ratio the bound's controller compared with τ:", "",
+                  "| method | k | mismatch ESS median | mismatch ESS min | judged ESS median |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {_label(e)} | {e['lag']} | {_fmt(e['median_mismatch_ess_ratio'], '.4f')} | "
+                  f"{_fmt(e['min_mismatch_ess_ratio'], '.4f')} | "
+                  f"{_fmt(e['median_judged_ess_ratio'], '.4f')} |"
+                  for e in mismatched]
     return "\n".join(lines) + "\n"
+
+
+def _label(entry: dict[str, Any]) -> str:
+    """A table row's method, with its numerics where they are not the matched ones."""
+    return entry["method"] + (f" ({entry['numerics']})" if entry.get("numerics") else "")
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -262,7 +317,7 @@ def compact(result: dict[str, Any]) -> dict[str, Any]:
     config = result["config"]
     return {"benchmark": "staleness_timed", "initial_success": result["initial_success"],
             "config": {k: config[k] for k in ("lags", "seeds", "steps", "groups_per_step", "group_size",
-                                              "clock", "auto_lag", "eval_every", "target_fraction",
-                                              "score_tolerance", "time_tolerance")},
+                                              "numerics", "clock", "auto_lag", "eval_every",
+                                              "target_fraction", "score_tolerance", "time_tolerance")},
             "methods": {m["name"]: {"algo": m["algo"], "lr": m["lr"]} for m in config["methods"]},
             "summary": result["summary"]}

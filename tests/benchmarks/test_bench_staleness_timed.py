@@ -79,6 +79,29 @@ def test_fixed_and_auto_bounds_run_on_the_timeline_and_are_scored_against_simula
     assert all(r.get("reused") for r in again["runs"])
 
 
+def test_a_bf16_engine_runs_on_the_timeline_and_its_mismatch_is_measured_apart(tmp_path: Path) -> None:
+    """numerics: [bf16_engine] — the engine samples from bf16 weights while the learner trains in fp32, so
+    lag-0 trajectories carry the numerics mismatch alone; each run keeps it apart from the lag (the
+    mismatch ESS ratio below 1, the ratio the controller judged), and the summary labels the numerics."""
+    bench = _bench(tmp_path, lags=[0, "auto"], numerics=["bf16_engine"])
+    result = run_timed_staleness_bench(bench)
+    assert {(r["lag"], r["numerics"]) for r in result["runs"]} == {(0, "bf16_engine"), ("auto", "bf16_engine")}
+    for run in result["runs"]:
+        assert "error" not in run, run.get("error")
+        mismatch = [v for v in run["curves"]["mismatch_ess_ratio"] if v is not None and math.isfinite(v)]
+        assert mismatch and min(mismatch) < 1.0  # bf16 rounding: w ≠ 1 at lag 0
+        assert run["min_mismatch_ess_ratio"] == min(mismatch)
+    k0 = next(r for r in result["runs"] if r["lag"] == 0)
+    assert len([v for v in k0["curves"]["mismatch_ess_ratio"] if v is not None]) == 6  # every batch is lag 0
+    auto = next(r for r in result["runs"] if r["lag"] == "auto")
+    assert any(v is not None and math.isfinite(v) for v in auto["curves"]["lag_judged_ess_ratio"])
+    table = {e["lag"]: e for e in result["summary"]["table"]}
+    assert table[0]["numerics"] == "bf16_engine" and table[0]["min_mismatch_ess_ratio"] < 1.0
+    assert result["summary"]["verdicts"][0]["numerics"] == "bf16_engine"
+    text = (tmp_path / "bench" / "summary.md").read_text()
+    assert "| vcpo (bf16_engine) | auto |" in text and "mismatch ESS median" in text
+
+
 def _row(lag: object, seed: int, final: float, curve: list[tuple[float, float]]) -> dict[str, object]:
     return {"method": "m", "lag": lag, "seed": seed, "final_success": final, "sim_time_s": curve[-1][0],
             "mean_lag": 0.0, "mean_bound": 0.0, "median_ess_ratio": 1.0,
