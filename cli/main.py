@@ -124,7 +124,9 @@ def _build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("task", type=Path, help="task YAML, e.g. configs/tasks/gsm8k.yaml")
     evaluate.add_argument("overrides", nargs="*", help="a.b.c=value overrides of the task")
     evaluate.add_argument("--model", default="default",
-                          help="model spec: 'default', a local HF directory or a hub id. hf/vllm/auto: the "
+                          help="model spec: 'default', a local HF directory, a LoRA adapter directory "
+                               "(a LoRA run's export/adapter: merged into its base once) or a hub id. "
+                               "hf/vllm/auto: the "
                                "model evaluated. openai: only where the tokenizer comes from (it must be "
                                "the served model's); the name sent to the server is --served-model")
     evaluate.add_argument("--backend", default="auto", choices=["auto", "hf", "vllm", "openai"],

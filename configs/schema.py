@@ -690,6 +690,38 @@ class MegatronConfig(StrictModel):
         return self
 
 
+class LoraSettings(StrictModel):
+    """`learner.lora`: train low-rank adapters instead of the full weights (learner/backends/lora.py; peft).
+    The base weights stay frozen in model.dtype; only the adapters get gradients and optimizer state, and
+    VCPO's per-trajectory norms are over them alone (the optimised vector). The engines sample from the
+    merged policy (base + adapters), pushed after every step as full weights are."""
+
+    rank: int = Field(16, ge=1)
+    """r: the adapters' inner width (parameters per adapted layer: r × (in + out))."""
+    alpha: float = Field(32.0, gt=0)
+    """lora_alpha: the update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input in the gradient forward; the no-grad passes (log π_old, the reference,
+    statistics) run without it, as the engine samples. Above 0, log π_old always comes from a separate
+    forward (learner.proximal 'reuse' is refused)."""
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Layer names adapted (peft's matching: a name's suffix), or 'all-linear' (every linear layer but the
+    output head). The output head and the embedding are never adapted (tied in small models)."""
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> LoraSettings:
+        if isinstance(self.target_modules, list):
+            if not self.target_modules:
+                raise ValueError("learner.lora.target_modules is empty; name the layers to adapt (e.g. "
+                                 "[q_proj, v_proj]) or 'all-linear'")
+            frozen = [m for m in self.target_modules if m in ("lm_head", "embed_tokens")]
+            if frozen:
+                raise ValueError(f"learner.lora.target_modules names {frozen}: the output head and the "
+                                 "embedding are not adapted (tied in small models); remove them")
+        return self
+
+
 class LearnerConfig(StrictModel):
     """The learner backend: torch (learner/backends/torch_learner.py) or megatron-core
     (learner/backends/megatron/learner.py)."""
@@ -751,6 +783,9 @@ class LearnerConfig(StrictModel):
     vocabulary: 7.3 GB of fp32 logits, 3.7 GB more in bf16). The same log-probs and gradients within fp32
     rounding; VCPO's per-trajectory norms too. Micro-batches under the budget run in one pass as before
     (the default run's do). null: always one pass. Torch backend, HF models with a plain output head."""
+    lora: LoraSettings | None = None
+    """Train LoRA adapters on a frozen base (`LoraSettings`; `pip install 'vcpo[lora]'`); null: the full
+    weights. Torch backend only."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallel layout and kernels of backend='megatron' (ignored by 'torch')."""
 
@@ -962,6 +997,20 @@ class RunConfig(StrictModel):
                              "but learner.proximal='reuse' takes log π_old from that pass; set "
                              "learner.proximal to 'separate' or 'auto' (which keeps the separate forward "
                              "with corrections)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> RunConfig:
+        lora = self.learner.lora
+        if lora is None:
+            return self
+        if self.learner.backend == "megatron":
+            raise ValueError("learner.lora trains adapters on the torch learner; the megatron learner trains "
+                             "full weights only: set learner.backend='torch' or learner.lora=null")
+        if lora.dropout > 0 and self.learner.proximal == "reuse":
+            raise ValueError(f"learner.lora.dropout={lora.dropout} makes the gradient forward random, so it "
+                             "cannot stand for log π_old (learner.proximal='reuse'); set learner.proximal "
+                             "to 'auto' or 'separate', or learner.lora.dropout=0")
         return self
 
     @model_validator(mode="after")

@@ -88,12 +88,15 @@ def resolve_model(spec: str, cache_dir: Path) -> ResolvedModel:
     """Turn a model spec into HF-format files.
 
     spec: `default` / `smollm2-135m-instruct` (the shipped GGUF, converted once into `cache_dir`),
-    a local directory holding `config.json`, or a hub id (handed to transformers unchanged).
+    a local directory holding `config.json`, a LoRA adapter directory (`adapter_config.json`: merged into
+    its base once, `ensure_merged_adapter`), or a hub id (handed to transformers unchanged).
     """
     if spec.lower() in _BUILTIN_ALIASES:
         return ResolvedModel(str(ensure_default_model(cache_dir)), is_local=True)
     path = Path(spec).expanduser()
     if path.exists():
+        if (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
+            return ResolvedModel(str(ensure_merged_adapter(path, cache_dir)), is_local=True)
         if not (path / "config.json").is_file():
             raise ModelLoadError(
                 f"model path {path} exists but has no config.json; point model.path at a Hugging Face "
@@ -106,6 +109,57 @@ def resolve_model(spec: str, cache_dir: Path) -> ResolvedModel:
         f"model '{spec}' is neither a local directory nor a hub id (owner/name); use 'default' for "
         "the shipped SmolLM2-135M-Instruct, a path to an HF model directory, or a hub id"
     )
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""What marks a peft LoRA adapter directory (a LoRA run's export/adapter)."""
+
+
+def ensure_merged_adapter(adapter_dir: Path, cache_dir: Path) -> Path:
+    """A LoRA adapter directory as a plain HF model: its base (named in adapter_config.json, resolved as a
+    model spec) with the adapter merged in, written once under `cache_dir/merged_adapters/<digest>` (atomic
+    rename; the digest covers the adapter's files and the base's path) with the base's tokenizer."""
+    import hashlib
+    import json
+
+    try:
+        base_spec = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    except (ValueError, KeyError) as exc:
+        raise ModelLoadError(f"{adapter_dir / ADAPTER_CONFIG} names no base model "
+                             f"(base_model_name_or_path: {exc}); write the adapter with peft's "
+                             "save_pretrained, or set the field to the base model's directory") from exc
+    if not base_spec:
+        raise ModelLoadError(f"{adapter_dir / ADAPTER_CONFIG}: base_model_name_or_path is empty; set it to "
+                             "the base model's directory")
+    base = resolve_model(str(base_spec), cache_dir)
+    digest = hashlib.sha256(base.name_or_path.encode())
+    for file in sorted(p for p in adapter_dir.iterdir() if p.is_file()):
+        digest.update(file.name.encode() + file.read_bytes())
+    target = Path(cache_dir) / "merged_adapters" / digest.hexdigest()[:16]
+    if (target / "config.json").is_file():
+        return target
+    try:
+        from peft import PeftModel
+    except ImportError as exc:
+        raise ModelLoadError(f"{adapter_dir} is a LoRA adapter; loading it needs peft: "
+                             "pip install 'vcpo[lora]'") from exc
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("merging the LoRA adapter %s into its base %s (once, into %s)", adapter_dir, base.name_or_path,
+             target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".merge-", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base.name_or_path)
+        merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+        merged.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(base.name_or_path).save_pretrained(tmp)
+        if not target.exists():
+            os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def ensure_default_model(cache_dir: Path, gguf: Path | None = None) -> Path:

@@ -45,7 +45,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from configs.schema import AlgoConfig, OptimConfig
+from configs.schema import AlgoConfig, LoraSettings, OptimConfig
+from learner.backends import lora as lora_adapters
 from learner.backends.algorithm_from_config import build_corrections, build_lr_scale_rule, build_objective
 from learner.distributed.data_parallel import DataParallel, assign_groups
 from learner.forward.fused_layers import FusedElementwise, compiler_problem
@@ -117,7 +118,12 @@ class TorchLearner:
                  autocast_proximal: bool = False, data_parallel: DataParallel | None = None,
                  proximal: Literal["separate", "reuse", "auto"] = "separate",
                  share_prompts: bool = False, fused_elementwise: bool = False,
-                 logits_chunk_mib: float | None = None) -> None:
+                 logits_chunk_mib: float | None = None, lora: LoraSettings | None = None,
+                 lora_seed: int = 0) -> None:
+        self.lora = lora
+        """`learner.lora`: adapters on the frozen base (learner/backends/lora.py); None: full weights."""
+        self.peft = lora_adapters.attach(model, lora, lora_seed) if lora is not None else None
+        """peft's wrapper around `model` (the adapters live in `model` itself); None without LoRA."""
         self.model = model.train()
         self.logits_chunk_mib = logits_chunk_mib
         """The output head in chunks of target rows where a micro-batch's `(K, V)` logits would pass this many
@@ -157,11 +163,18 @@ class TorchLearner:
         self.step_count = 0
         self.reference = None
         if self.objective.needs_ref_logprobs:  # frozen copy of the initial policy (KL / TBA)
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+            # with LoRA the initial policy is the base: the model itself with its adapters switched off
+            self.reference = (self.model if self.peft is not None
+                              else copy.deepcopy(model).eval().requires_grad_(False))
+
+    @property
+    def trained_parameters(self) -> list[nn.Parameter]:
+        """The optimised vector: every parameter, or the adapters' alone with LoRA."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def _build_optimizer(self) -> Any:
         optim = self.optim_config
-        return torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+        return torch.optim.AdamW(self.trained_parameters, lr=optim.lr, betas=optim.betas, eps=optim.eps,
                                  weight_decay=optim.weight_decay, fused=self._fused_adamw)
 
     @property
@@ -172,6 +185,9 @@ class TorchLearner:
         return True if self.device.type in ("cpu", "cuda") else None
 
     def _check_supported(self) -> None:
+        if self.lora is not None and self.lora.dropout > 0 and self.proximal == "reuse":
+            raise ValueError(f"learner.lora.dropout={self.lora.dropout} makes the gradient forward random, "
+                             "so it cannot stand for log π_old; set learner.proximal to 'auto' or 'separate'")
         if self.corrections and self.proximal == "reuse":
             raise ValueError("algo.corrections judge every token by log π_old before the gradient pass, but "
                              "learner.proximal='reuse' takes log π_old from that pass; set learner.proximal "
@@ -191,16 +207,31 @@ class TorchLearner:
     # --- weights and state --------------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, tensor) of every parameter, detached — what the engines load."""
+        """(HF name, tensor) of every parameter, detached — what the engines load. With LoRA: the base
+        model's names, the adapters merged into their layers' weights."""
+        if self.peft is not None:
+            yield from lora_adapters.merged_weights(self.model)
+            return
         for name, parameter in self.model.named_parameters():
             yield name, parameter.detach()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "step_count": self.step_count}
+        """Model (or, with LoRA, the adapters alone: the base is the run's model path), optimizer, step."""
+        weights = ({"adapter": lora_adapters.adapter_state(self.peft)} if self.peft is not None
+                   else {"model": self.model.state_dict()})
+        return {**weights, "optimizer": self.optimizer.state_dict(), "step_count": self.step_count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        if self.peft is not None:
+            if "adapter" not in state:
+                raise ValueError("the checkpoint holds full weights but this run trains LoRA adapters "
+                                 "(learner.lora); resume it with learner.lora=null")
+            lora_adapters.load_adapter_state(self.peft, state["adapter"])
+        elif "model" not in state:
+            raise ValueError("the checkpoint holds LoRA adapters (learner.lora) but this run trains full "
+                             "weights; resume it with the learner.lora settings it was written with")
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if isinstance(self.optimizer, torch.optim.AdamW):  # a checkpoint's groups carry its optimizer's flags
             fused = self._fused_adamw
@@ -209,8 +240,14 @@ class TorchLearner:
         self.step_count = int(state["step_count"])
 
     def save_pretrained(self, path: Path) -> None:
-        """The current policy as an HF directory (safetensors), loadable by every engine."""
-        self.model.save_pretrained(path, safe_serialization=True)
+        """The current policy as an HF directory (safetensors), loadable by every engine. With LoRA: the
+        merged policy, and peft's adapter directory in its `adapter/` (its base: the run's model)."""
+        if self.peft is None:
+            self.model.save_pretrained(path, safe_serialization=True)
+            return
+        self.model.save_pretrained(path, state_dict=dict(self.named_weights()), safe_serialization=True)
+        lora_adapters.save_adapter(self.peft, Path(path) / lora_adapters.ADAPTER_DIR,
+                                   str(getattr(self.model, "name_or_path", "")))
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -253,8 +290,9 @@ class TorchLearner:
                                    for mb, own, layout in zip(microbatches, mine, layouts, strict=True)])
             ref = None
             if self.reference is not None:
-                ref = self._share([self._logprobs(self.reference, mb, layout) if own else self._zeros(mb)
-                                   for mb, own, layout in zip(microbatches, mine, layouts, strict=True)])
+                with self._reference_policy():
+                    ref = self._share([self._logprobs(self.reference, mb, layout) if own else self._zeros(mb)
+                                       for mb, own, layout in zip(microbatches, mine, layouts, strict=True)])
         proximal_s, started = time.perf_counter() - started, time.perf_counter()
         full = _FullBatch(microbatches, size, old, behavior, ref, self.device, sum_sq, layouts)
         correction = None
@@ -484,7 +522,7 @@ class TorchLearner:
         if mb.target_positions.numel() == 0:
             return torch.zeros(0, device=self.device)
         gradient_forward = not proximal and model is self.model
-        fused = self._gradient_forwards() if gradient_forward else contextlib.nullcontext()
+        fused = self._gradient_forwards() if gradient_forward else self._no_grad_forwards()
         with fused, autocast(self.device, self._forward_dtype(proximal)):
             return packed_target_logprobs(model, mb, temperature=self.temperature, layout=layout,
                                           chunks=head_chunk_plan(model, mb, self.logits_chunk_mib))
@@ -493,11 +531,19 @@ class TorchLearner:
         """The model's fused elementwise kernels while active (`fused_elementwise`; nests), else nothing."""
         return self.fused if self.fused is not None else contextlib.nullcontext()
 
+    def _no_grad_forwards(self) -> contextlib.AbstractContextManager[object]:
+        """The policy as the engine samples it: LoRA's dropout off (it only regularises the gradient)."""
+        return lora_adapters.dropout_off(self.model) if self.peft is not None else contextlib.nullcontext()
+
+    def _reference_policy(self) -> contextlib.AbstractContextManager[object]:
+        """With LoRA the reference (the initial policy) is the base: the adapters switched off inside."""
+        return self.peft.disable_adapter() if self.peft is not None else contextlib.nullcontext()
+
     def _target_stats(self, mb: PackedMicroBatch, layout: SharedPrefixLayout | None) -> tuple[Tensor, Tensor]:
         if mb.target_positions.numel() == 0:
             empty = torch.zeros(0, device=self.device)
             return empty, empty
-        with autocast(self.device, self._forward_dtype(proximal=True)):
+        with self._no_grad_forwards(), autocast(self.device, self._forward_dtype(proximal=True)):
             return packed_target_stats(self.model, mb, temperature=self.temperature, layout=layout)
 
     def _forward_dtype(self, proximal: bool) -> torch.dtype | None:
@@ -559,6 +605,8 @@ class TorchLearner:
         dtype (no autocast), so the log-probs are those a separate forward would give."""
         if self.proximal == "separate" or not self.objective.needs_grad_norms or self.corrections:
             return False  # corrections read log π_old before the gradient pass
+        if self.lora is not None and self.lora.dropout > 0:
+            return False  # a gradient forward with dropout is not the policy the engine samples
         if self.algo.objective.opob.grad_norm_path != "fast" or self.objective.needs_sum_probs_squared:
             return False
         return self.proximal == "reuse" or self.autocast_dtype is None
@@ -658,7 +706,7 @@ class TorchLearner:
 
     def _finish(self, lr_scale: float) -> float:
         if self.data_parallel is not None:
-            self.data_parallel.all_reduce_grads_(list(self.model.parameters()))
+            self.data_parallel.all_reduce_grads_(self.trained_parameters)
         parameters = [p for p in self.model.parameters() if p.grad is not None]
         if self.optim_config.grad_clip is not None and parameters:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, self.optim_config.grad_clip))

@@ -135,7 +135,7 @@ def load_checkpoint(
 # What a checkpoint's rollout state depends on: its batch slots hold groups of `group_size` episodes,
 # `groups_per_step` to a slot, drawn from the data order that `seed` shuffles, each within the lag bound
 # it was admitted under (≤ max_lag, or ≤ auto_lag.max_lag with max_lag: auto).
-_RESUME_MUST_MATCH = (("algo", "group_size"), ("rollout", "groups_per_step"), ("seed",))
+_RESUME_MUST_MATCH = (("algo", "group_size"), ("rollout", "groups_per_step"), ("seed",), ("learner", "lora"))
 
 
 def resume_conflicts(run_dir: Path, config: dict[str, Any]) -> list[str]:

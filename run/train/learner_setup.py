@@ -63,8 +63,10 @@ def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Torch
     device = next(model.parameters()).device
     autocast = learner_autocast(config, device)
     fused = learner_fused_elementwise(config, device)
-    log.info("learner: %s weights, autocast %s (learner.autocast=%s), fused elementwise kernels %s",
-             config.model.dtype, autocast or "off", config.learner.autocast, "on" if fused else "off")
+    log.info("learner: %s weights, autocast %s (learner.autocast=%s), fused elementwise kernels %s, %s",
+             config.model.dtype, autocast or "off", config.learner.autocast, "on" if fused else "off",
+             "full weights trained" if config.learner.lora is None else
+             f"LoRA adapters trained (rank {config.learner.lora.rank}, alpha {config.learner.lora.alpha})")
     return TorchLearner(model, config.algo, config.optim,
                         micro_batch_tokens=config.learner.micro_batch_tokens,
                         temperature=task.loop.temperature,
@@ -73,4 +75,5 @@ def build_learner(config: RunConfig, task: TaskConfig, cache_dir: Path) -> Torch
                         proximal=config.learner.proximal, share_prompts=config.learner.share_prompts,
                         fused_elementwise=fused,
                         data_parallel=join_data_parallel_from_env(device),
-                        logits_chunk_mib=config.learner.logits_chunk_mib)
+                        logits_chunk_mib=config.learner.logits_chunk_mib,
+                        lora=config.learner.lora, lora_seed=config.seed)

@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
 from run.launch.allocator import find_tcmalloc
 from run.observability.metrics_log import read_metrics
@@ -393,6 +395,48 @@ def test_eval_sets_are_evaluated_when_due_logged_summarised_and_resumed(tmp_path
     assert "test success" in resumed.stdout and "bench success" in resumed.stdout, resumed.stdout
     plot = _vcpo("plot", str(run_dir))
     assert plot.returncode == 0, plot.stderr[-3000:]
+
+
+@needs_bwrap
+def test_lora_trains_through_the_real_engine_on_policy_resumes_and_its_adapter_evaluates(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """learner.lora: the HF engine samples from the merged policy the learner pushes after every step, so
+    k = 0 stays on-policy (ratio 1 up to fp32 kernel rounding) before and after a resume; checkpoints hold
+    the adapters, not the base; the export's adapter is what `vcpo eval --model` takes."""
+    learner = {"device": "cpu", "micro_batch_tokens": 1024, "lora": {"rank": 4, "alpha": 16}}
+    config = _write_configs(tmp_path, tiny_model_dir, max_lag=0, steps=2,
+                            extra={"learner": learner, "optim": {"lr": 1e-2}})
+    result = _vcpo("train", str(config), "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    state, _ = load_checkpoint(latest_checkpoint(run_dir))
+    assert "adapter" in state["learner"] and "model" not in state["learner"]
+    assert state["learner"]["adapter"] and all(".lora_" in k for k in state["learner"]["adapter"])
+    result = _vcpo("train", str(config), "trainer.total_steps=4", "--no-progress")  # resumes at step 2
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert [r["trainer_step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["staleness/max"] == 0 for r in records)
+    assert all(r["is/ess_ratio"] > 0.999 and abs(r["is/log_w_mean"]) < 1e-3 for r in records), [
+        (r["is/ess_ratio"], r["is/log_w_mean"]) for r in records]
+    base = load_file(tiny_model_dir / "model.safetensors")
+    trained = load_file(run_dir / "export" / "model.safetensors")
+    assert trained.keys() == base.keys()
+    assert any(not torch.equal(trained[k], base[k]) for k in base if "q_proj" in k)  # the adapters moved
+    assert all(torch.equal(trained[k], base[k]) for k in base if "norm" in k or "embed" in k)  # frozen
+    refused = _vcpo("train", str(config), "learner.lora.rank=8", "trainer.total_steps=5", "--no-progress")
+    assert refused.returncode != 0 and "learner.lora" in refused.stderr
+    out = tmp_path / "eval.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "VCPO_CACHE_DIR": str(tmp_path / "cache")}
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "cli", "eval", str(tmp_path / "task.yaml"), "--model",
+         str(run_dir / "export" / "adapter"), "--backend", "hf", "--limit", "2", "--k", "1",
+         "--out", str(out), "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("kind") for r in rows].count("meta") == 1 and len(rows) == 3  # the meta line, 2 samples
+    assert list((tmp_path / "cache").rglob("merged_adapters/*/model.safetensors"))
 
 
 @needs_bwrap
