@@ -50,7 +50,7 @@ import torch
 from benchmarks.kernel_floor import best_seconds, kernel_floor
 from benchmarks.schema import LearnerBenchConfig
 from benchmarks.workload import BenchBatch, BenchShape
-from configs.schema import AlgoConfig, MegatronConfig, OptimConfig
+from configs.schema import AlgoConfig, LoraSettings, MegatronConfig, OptimConfig
 from learner.backends.torch_learner import StepInput, TorchLearner
 from learner.forward.fused_layers import resolve as resolve_fused_elementwise
 from learner.forward.logprobs import native_bf16
@@ -137,18 +137,29 @@ def matmul_peak_gflops(dtype: torch.dtype, device: str, size: int = 4096, repeat
 
 def unsupported_reason(backend: str, device: str, dtype: str) -> str | None:
     """Why `backend` in `dtype` would not run at hardware speed here (None: it would)."""
-    matmul = "bfloat16" if backend == "torch-autocast" else dtype
+    matmul = _matmul_dtype(backend, dtype)
     if matmul == "bfloat16" and not native_bf16(torch.device(device)):
         return (f"{device} does bf16 matmuls only in emulation here (no AVX-512-BF16/AMX): a step would "
                 "take minutes; run backends=[torch] dtype=float32, or force_emulated=true to time it anyway")
     return None
 
 
+def _matmul_dtype(backend: str, dtype: str) -> str:
+    """The dtype a backend's matmuls run in: bf16 under autocast, else the weights'."""
+    return "bfloat16" if backend.startswith("torch-autocast") else dtype
+
+
 def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: torch.dtype,
            micro_batch_tokens: int, megatron: MegatronConfig, proximal: str = "auto",
            share_prompts: bool = True, fused_elementwise: bool = False, recompute: bool = False,
-           logits_chunk_mib: float | None = None) -> TorchLearner:
+           logits_chunk_mib: float | None = None, lora: LoraSettings | None = None) -> TorchLearner:
     optim = OptimConfig(lr=1e-6)
+    if backend.endswith("-lora"):
+        if lora is None:
+            raise ValueError(f"{backend}: a LoRA row needs the adapters' settings (lora)")
+        backend = backend.removesuffix("-lora")
+    else:
+        lora = None
     if backend in ("torch", "torch-autocast"):
         from transformers import AutoModelForCausalLM
 
@@ -166,7 +177,8 @@ def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: tor
             model.gradient_checkpointing_enable()
         return TorchLearner(model, algo, optim, micro_batch_tokens=micro_batch_tokens,
                             autocast_dtype=autocast, proximal=proximal, share_prompts=share_prompts,
-                            fused_elementwise=fused_elementwise, logits_chunk_mib=logits_chunk_mib)
+                            fused_elementwise=fused_elementwise, logits_chunk_mib=logits_chunk_mib,
+                            lora=lora)
     if recompute:
         raise ValueError("recompute: the megatron learner refuses model.gradient_checkpointing (its own "
                          "recompute_granularity is not wired to VCPO's norms yet)")
@@ -190,7 +202,7 @@ def _peak_memory_mib(device: str) -> float:
 PHASES = ("time/learner_proximal", "time/learner_gradient", "time/learner_optimizer")
 
 
-def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, device: str = "cpu",
+def bench_learner(backend: str, *, device: str = "cpu",
                   shape: BenchShape | None = None, batch: BenchBatch | None = None,
                   objective: Literal["grpo", "vcpo"] = "grpo",
                   grad_norm_path: Literal["fast", "per_trajectory"] = "fast",
@@ -199,15 +211,20 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
                   proximal: str = "auto", share_prompts: bool = True, fused_elementwise: bool = False,
                   peak_gemm_size: int = 4096, seed: int = 0, recompute: bool = False,
                   logits_chunk_mib: float | None = 512.0, hf_dir: Path | None = None,
-                  with_kernel_floor: bool = True) -> dict[str, Any]:
+                  with_kernel_floor: bool = True, lora: dict[str, Any] | None = None) -> dict[str, Any]:
     """Time `steps` learner steps (after `warmup`) on one random batch; a JSON-able dict of the results.
 
     `peak_memory_mib`: CUDA peak allocated bytes on GPUs; on CPU the process's peak RSS (includes
     everything the process ever held, e.g. the checkpoint written at the start). `recompute`: activation
     recompute (`model.gradient_checkpointing`); `logits_chunk_mib`: `learner.logits_chunk_mib`; `hf_dir`:
     a random checkpoint written already (else one is written here); `with_kernel_floor`: also time the
-    step's kernels alone.
+    step's kernels alone. A '-lora' backend trains `lora`'s adapters (LoraSettings fields) on the frozen
+    base: its model FLOPs and MFU count a full-weight step (LoRA skips the base's weight gradients, about a
+    third of them, and adds the adapters' small products), so compare its step time, not its MFU, and it
+    has no kernel floor.
     """
+    adapters = LoraSettings.model_validate(lora or {}) if backend.endswith("-lora") else None
+    with_kernel_floor = with_kernel_floor and adapters is None
     shape, batch = shape or BenchShape(), batch or BenchBatch()
     fused_elementwise = fused_elementwise and backend != "megatron"  # a torch-learner option
     norms = {"opob": {"grad_norm_path": grad_norm_path}} if objective == "vcpo" else {}
@@ -220,11 +237,11 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
         built = time.perf_counter()
         learner = _build(backend, hf_dir, device, algo, torch_dtype, micro_batch_tokens,
                          megatron or MegatronConfig(), proximal, share_prompts, fused_elementwise,
-                         recompute, logits_chunk_mib)
+                         recompute, logits_chunk_mib, adapters)
         # progress on stderr (`vcpo -v`): a bench cut at a time limit writes no JSON, its log says where
         log.info("%s: learner built in %.1f s", backend, time.perf_counter() - built)
     step_input = random_batch(batch, shape.vocab_size, seed)
-    matmul_dtype = "bfloat16" if backend == "torch-autocast" else dtype
+    matmul_dtype = _matmul_dtype(backend, dtype)
     matmul_dtypes = dict.fromkeys([matmul_dtype, dtype])
     peaks_before = {name: matmul_peak_gflops(getattr(torch, name), device, peak_gemm_size)
                     for name in matmul_dtypes}
@@ -274,6 +291,8 @@ def bench_learner(backend: Literal["torch", "torch-autocast", "megatron"], *, de
         "prompt_tokens_shared_per_step": float(metrics.get("train/prompt_tokens_shared", 0.0)),
         "shape": asdict(shape), "batch": asdict(batch), "micro_batch_tokens": micro_batch_tokens,
         "parameters_on_rank": sum(p.numel() for p in learner.model.parameters()),
+        "trained_parameters": sum(p.numel() for p in learner.model.parameters() if p.requires_grad),
+        "lora": adapters.model_dump() if adapters is not None else None,
         "megatron": (megatron or MegatronConfig()).model_dump() if backend == "megatron" else None,
         "skipped_groups_per_step": float(metrics.get("train/skipped_groups", 0.0)),
         "step_s": times, "step_s_mean": mean, "step_s_min": min(times),
@@ -298,27 +317,32 @@ def run_learner_bench(config: LearnerBenchConfig) -> dict[str, Any]:
                        sampled=config.sampled, prompt=config.prompt)
     fused, _ = resolve_fused_elementwise(config.fused_elementwise, torch.device(device))  # as in a run
     results: dict[str, Any] = {}
-    for backend in config.backends:
-        skip = _skip_reason(config, backend, device)
-        if skip is not None:
-            results[backend] = {"backend": backend, "device": device, "skipped": skip}
-            continue
-        try:
-            results[backend] = bench_learner(backend, device=device, shape=shape, batch=batch,
-                                             objective=config.objective,
-                                             grad_norm_path=config.grad_norm_path, dtype=config.dtype,
-                                             micro_batch_tokens=config.micro_batch_tokens, steps=config.steps,
-                                             warmup=config.warmup, proximal=config.proximal,
-                                             share_prompts=config.share_prompts,
-                                             fused_elementwise=fused,
-                                             peak_gemm_size=config.peak_gemm_size,
-                                             logits_chunk_mib=config.logits_chunk_mib)
-        except (ValueError, RuntimeError, ImportError) as exc:
-            results[backend] = {"backend": backend, "device": device, "error": f"{type(exc).__name__}: {exc}"}
+    with tempfile.TemporaryDirectory(prefix="vcpo-bench-learner-") as tmp:
+        hf_dir = write_random_checkpoint(shape, Path(tmp) / "model") if config.isolate else None
+        for backend in config.backends:
+            skip = _skip_reason(config, backend, device)
+            if skip is not None:
+                results[backend] = {"backend": backend, "device": device, "skipped": skip}
+                continue
+            kwargs = {"backend": backend, "device": device, "shape": asdict(shape), "batch": asdict(batch),
+                      "objective": config.objective, "grad_norm_path": config.grad_norm_path,
+                      "dtype": config.dtype, "micro_batch_tokens": config.micro_batch_tokens,
+                      "steps": config.steps, "warmup": config.warmup, "proximal": config.proximal,
+                      "share_prompts": config.share_prompts, "fused_elementwise": fused,
+                      "peak_gemm_size": config.peak_gemm_size, "logits_chunk_mib": config.logits_chunk_mib,
+                      "hf_dir": str(hf_dir) if hf_dir is not None else None,
+                      "lora": config.lora.model_dump(mode="json")}
+            results[backend] = {"backend": backend, "device": device,
+                                **_sweep_row(kwargs, config.isolate, timeout_s=3600.0)}
     baseline = results.get("torch", {}).get("tokens_per_s")
     for result in results.values():
         if baseline and "tokens_per_s" in result:
             result["vs_torch"] = round(result["tokens_per_s"] / baseline, 3)
+        full = results.get(result["backend"].removesuffix("-lora"), {})
+        if result["backend"].endswith("-lora") and "step_s_mean" in result and "step_s_mean" in full:
+            memory = result["peak_memory_mib"] / full["peak_memory_mib"]
+            result["vs_full_weights"] = {"step_s": round(result["step_s_mean"] / full["step_s_mean"], 3),
+                                         "peak_memory": round(memory, 3)}
     return {"config": config.model_dump(mode="json"), "device": device, "host": host_description(),
             "results": results}
 
@@ -425,7 +449,7 @@ def _sweep_row(kwargs: dict[str, Any], isolate: bool, timeout_s: float) -> dict[
 
 def _row_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "shape": BenchShape(**kwargs["shape"]), "batch": BenchBatch(**kwargs["batch"]),
-            "hf_dir": Path(kwargs["hf_dir"])}
+            "hf_dir": Path(kwargs["hf_dir"]) if kwargs.get("hf_dir") else None}
 
 
 def sweep_row_main() -> None:

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from configs.base import StrictModel
+from configs.schema import LoraSettings
 
 
 class OpobBenchConfig(StrictModel):
@@ -133,6 +134,10 @@ class LearnerSweepConfig(StrictModel):
         return self
 
 
+LearnerBackend = Literal["torch", "torch-autocast", "torch-lora", "torch-autocast-lora", "megatron"]
+"""A `vcpo bench learner` row's learner (LearnerBenchConfig.backends)."""
+
+
 class LearnerBenchConfig(StrictModel):
     """`vcpo bench learner` (benchmarks/learner_step.py): optimizer steps of each learner backend
     on one random minibatch of a random model, by default the default run's step (SmolLM2-135M's shape,
@@ -142,11 +147,17 @@ class LearnerBenchConfig(StrictModel):
     (a large GEMM), the torch learner's kernel floor (its own kernels timed alone) and each backend's speed
     relative to the torch learner."""
 
-    backends: list[Literal["torch", "torch-autocast", "megatron"]] = Field(
-        default_factory=lambda: ["torch", "torch-autocast", "megatron"])
+    backends: list[LearnerBackend] = Field(default_factory=lambda: ["torch", "torch-autocast", "megatron"])
     """Backends to time: 'torch' (in `dtype`), 'torch-autocast' (the torch learner with
-    learner.autocast=bfloat16 over fp32 weights), 'megatron'. One that cannot run here (megatron without
-    CUDA, autocast with bf16 weights, bf16 on a CPU that only emulates it) is reported with its reason."""
+    learner.autocast=bfloat16 over fp32 weights), each with '-lora' (LoRA adapters, `lora`, on the frozen
+    base: only they get gradients and optimizer state), 'megatron'. One that cannot run here (megatron
+    without CUDA, autocast with bf16 weights, bf16 on a CPU that only emulates it) is reported with its
+    reason."""
+    lora: LoraSettings = Field(default_factory=lambda: LoraSettings(rank=16, alpha=32.0))
+    """The '-lora' rows' adapters (configs/default_lora.yaml's)."""
+    isolate: bool = False
+    """Each backend in a fresh process, so its peak memory (peak RSS on a CPU) is its own, not the
+    largest of the rows before it."""
     device: str = "auto"
     """'auto' (cuda when available, else cpu), 'cpu' or 'cuda'."""
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -92,6 +92,29 @@ def test_cli_bench_learner_reports_each_backend_and_the_ratio(tmp_path: Path) ->
     assert result["host"]["cpu"] and result["host"]["threads"] >= 1
 
 
+def test_lora_rows_train_the_adapters_alone_each_in_its_own_process_beside_full_weights(
+        tmp_path: Path) -> None:
+    out = tmp_path / "learner.json"
+    overrides = ["backends=[torch,torch-lora]", "device=cpu", "kind=qwen2", "vocab_size=128",
+                 "hidden_size=32", "intermediate_size=64", "num_hidden_layers=1", "num_attention_heads=2",
+                 "num_key_value_heads=1", "groups=2", "group_size=2", "tokens=24", "prompt=4", "sampled=16",
+                 "steps=2", "peak_gemm_size=128", "isolate=true", "lora={rank: 4, alpha: 8}"]
+    assert main(["bench", "learner", "--out", str(out), *overrides]) == 0
+    rows = json.loads(out.read_text())["results"]
+    full, lora = rows["torch"], rows["torch-lora"]
+    assert full["lora"] is None and full["trained_parameters"] == full["parameters_on_rank"]
+    assert lora["lora"]["rank"] == 4 and lora["kernel_floor"] is None
+    # rank 4 on q, k, v, o, gate, up, down of one layer: r × (in + out) each
+    shapes = [(32, 32), (32, 16), (32, 16), (32, 32), (32, 64), (32, 64), (64, 32)]
+    assert lora["trained_parameters"] == sum(4 * (i + o) for i, o in shapes)
+    assert lora["parameters_on_rank"] == full["parameters_on_rank"] + lora["trained_parameters"]
+    assert lora["vs_full_weights"]["step_s"] == pytest.approx(lora["step_s_mean"] / full["step_s_mean"],
+                                                              abs=0.001)
+    assert lora["vs_full_weights"]["peak_memory"] == pytest.approx(
+        lora["peak_memory_mib"] / full["peak_memory_mib"], abs=0.001)
+    assert 0 < lora["peak_memory_mib"] < 4096  # each row's own process: a fresh interpreter's peak
+
+
 def test_model_flops_count_the_body_over_all_tokens_the_head_over_trained_ones_and_attention() -> None:
     from benchmarks.learner_step import model_flops
 
