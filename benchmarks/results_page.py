@@ -285,10 +285,11 @@ def _figure(values: dict[str, Any], key: str, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
-def long_horizon_seeds(data: dict[str, Any]) -> str:
-    """Per seed of a long-horizon `vcpo bench main_job`: the validation (held-out) set by step and its paired
-    start → end change, the test set's start → end and change, the wall time by phase, what the learner did
-    per step (seconds, tokens read, segments per episode), and the claim read on the test set."""
+def seeds_with_test_set(data: dict[str, Any]) -> str:
+    """Per seed of a `vcpo bench main_job` with a test set: the validation (held-out) set by step and its
+    paired start → end change, the test set's start → end and change, the wall time by phase, what the
+    learner did per step (seconds, tokens read, segments per episode), and the claim read on the test set;
+    then the model before its warm start on both sets, where the bench measured it."""
     lines = ["| seed | validation by step | validation, start → end | test: start → end | test, start → "
              "end | wall: all (warm start, RL, evaluations) | learner per step: s, tokens read, "
              "segments/episode |",
@@ -314,12 +315,20 @@ def long_horizon_seeds(data: dict[str, Any]) -> str:
     walls = max(row["process_wall_s"] for row in data["seeds"].values())
     lines.append(f"\nOn the test set, every seed rises ≥ {100 * data['min_gain']:.0f} points with its "
                  f"interval above 0: **{verdict}**. The longest run: {walls / 60:.1f} min.")
+    base = [(seed, row["base_model"]) for seed, row in data["seeds"].items() if row.get("base_model")]
+    if base:
+        def evaluated(sets: dict[str, Any]) -> str:
+            return ", ".join(f"{'validation' if name == 'heldout' else name} {100 * e['success']:.1f}% "
+                             f"({100 * e['low']:.1f}–{100 * e['high']:.1f})" for name, e in sets.items())
+
+        shown = "; ".join(f"seed {seed}: {evaluated(sets)}" for seed, sets in base)
+        lines.append(f"\nThe model before its warm start, evaluated the same way: {shown}.")
     return "\n".join(lines) + "\n"
 
 
-def long_horizon_versus(data: dict[str, Any]) -> str:
-    """Per seed of a long-horizon summary with `baselines`: on each set, this arm's final success, each
-    baseline's, and the difference paired by prompt with its 95% interval."""
+def versus_baselines(data: dict[str, Any]) -> str:
+    """Per seed of a `vcpo bench main_job` summary with `baselines`: on each set, this arm's final success,
+    each baseline's, and the difference paired by prompt with its 95% interval."""
     names = list(next(iter(data["seeds"].values()))["versus"])
     lines = ["| seed | set | this arm | " + " | ".join(f"{name}: success; this arm minus it (95% interval)"
                                                       for name in names) + " |",
@@ -657,8 +666,8 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "main_job_seeds": main_job_seeds,
     "main_job_readme": main_job_readme,
     "main_job_other_runs": main_job_other_runs,
-    "long_horizon_seeds": long_horizon_seeds,
-    "long_horizon_versus": long_horizon_versus,
+    "seeds_with_test_set": seeds_with_test_set,
+    "versus_baselines": versus_baselines,
     "long_horizon_ceiling": long_horizon_ceiling,
     "results_at_a_glance": results_at_a_glance,
     "gpu_check_parts": gpu_check_parts,
