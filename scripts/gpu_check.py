@@ -111,7 +111,7 @@ def _learner_summary(work: Path, rehearse: bool, name: str) -> dict[str, Any]:
     results = _json(work / f"{name}.json").get("results", {})
     keep = ("device", "dtype", "matmul_dtype", "step_s_mean", "phases_s_mean", "tokens_per_s", "mfu",
             "model_gflops_per_s", "matmul_peak_gflops", "peak_memory_mib", "roofline_fraction",
-            "step_over_floor", "vs_torch", "error", "skipped")
+            "step_over_floor", "vs_torch", "trained_parameters", "vs_full_weights", "error", "skipped")
     return {backend: {k: row[k] for k in keep if k in row} for backend, row in results.items()}
 
 
@@ -197,6 +197,12 @@ _TINY_SWEEP = ["dtype=float32", "hidden_size=64", "intermediate_size=128", "num_
                "peak_gemm_size=256", "sweep.lengths=[128]", "logits_chunk_mib=0.01"]
 
 
+def _lora_argv(work: Path, rehearse: bool) -> list[str]:
+    sizes = [*_TINY_LEARNER, "dtype=float32"] if rehearse else []
+    return _vcpo("-v", "bench", "learner", "--config", "benchmarks/configs/learner_lora_gpu.yaml",
+                 f"device={'cpu' if rehearse else 'cuda'}", *sizes, "--out", str(work / "learner_lora.json"))
+
+
 def _sweep_argv(backends: str, name: str, extra: tuple[str, ...] = ()) -> Callable[[Path, bool], list[str]]:
     def argv(work: Path, rehearse: bool) -> list[str]:
         sizes = _TINY_SWEEP if rehearse else []
@@ -257,6 +263,10 @@ PARTS = [
     # overruns would take the other's figures with it
     Part("bench_learner_bf16", 60, _learner_argv("bfloat16", "[torch]", "learner_bf16"),
          lambda work, rehearse: _learner_summary(work, rehearse, "learner_bf16")),
+    # LoRA beside full fine-tuning at 4k tokens on the Qwen2.5-1.5B shape (bf16): step time and peak memory,
+    # each row in its own process
+    Part("bench_learner_lora", 120, _lora_argv,
+         lambda work, rehearse: _learner_summary(work, rehearse, "learner_lora")),
     Part("bench_opob_bf16", 45, _opob_argv("bfloat16"),
          lambda work, rehearse: _opob_summary(work, rehearse, "opob_bfloat16")),
     # lag 0, fp32 everywhere: is π_old / μ exactly 1 when the engine samples with the learner's weights?
