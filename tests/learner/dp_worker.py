@@ -36,6 +36,8 @@ ALGOS = {
                                        {"type": "opsm", "delta": 0.0}, {"type": "token_tis", "cap": 1.02}]},
     "vcpo_corrected": {"objective": {"type": "vcpo", "is_cap": 2.0}, "group_size": 3,
                        "corrections": [{"type": "token_reject", "lower": 0.93, "upper": 1.07}]},
+    "vcpo_lora": {"objective": {"type": "vcpo", "is_cap": 2.0}, "group_size": 3},
+    "vcpo_kl_lora": {"objective": {"type": "vcpo", "is_cap": 2.0}, "group_size": 3, "kl_coef": 0.1},
 }
 """GRPO (group mean and σ), VCPO (per-trajectory norms, OPOB, ESS step size), OTB (the Σπ² statistics
 are shared across ranks too), and the objectives whose loss takes statistics of the whole minibatch
@@ -45,7 +47,12 @@ minibatch. (BAPO's bounds cannot matter here: this batch's ratios lie inside eve
 tests/learner/backends/test_torch_learner.py covers them on a noisier batch.) The KL terms (OTB, VCPO's
 separate KL pass, Dr. GRPO) use the reference model's log-probs, shared across ranks; `learner` moves the
 reference away from the policy so that they have a gradient at the first step. The `*_corrected` entries
-run correction stages (OPSM needs whole groups): every rank must reject the same tokens and re-pack alike."""
+run correction stages (OPSM needs whole groups): every rank must reject the same tokens and re-pack alike.
+The `*_lora` entries train LoRA adapters (`LORA`): every rank draws the same adapters from the run's seed,
+sums the adapters' gradients alone, and pushes the same merged weights."""
+
+LORA = {"rank": 4, "alpha": 8.0}
+"""The adapters of the `*_lora` entries."""
 
 
 DEGENERATE_GROUP = 102
@@ -66,18 +73,23 @@ def batch(name: str) -> StepInput:
 
 def learner(name: str, data_parallel: object, micro_batch_tokens: int = megatron_parity.MICRO_BATCH_TOKENS
             ) -> TorchLearner:
-    from configs.schema import AlgoConfig
+    from configs.schema import AlgoConfig, LoraSettings
 
     model = tiny_model(KIND, attn_implementation=register_varlen_sdpa()).train()
+    lora = LoraSettings.model_validate(LORA) if name.endswith("_lora") else None
     built = TorchLearner(model, AlgoConfig.model_validate(ALGOS[name]), megatron_parity.OPTIM,
-                         micro_batch_tokens=micro_batch_tokens, data_parallel=data_parallel)  # type: ignore[arg-type]
+                         micro_batch_tokens=micro_batch_tokens, data_parallel=data_parallel,  # type: ignore[arg-type]
+                         lora=lora, lora_seed=7)
     if name == "vcpo_reuse_degenerate":
         built.proximal = "reuse"
-    if built.reference is not None:  # the same move on every rank and in the single process
-        generator = torch.Generator().manual_seed(11)
-        with torch.no_grad():
-            for parameter in built.reference.parameters():
-                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    # the same move on every rank and in the single process: the reference away from the policy (with LoRA
+    # the reference is the base, so the adapters move off zero instead)
+    moved = ([p for n, p in model.named_parameters() if ".lora_B." in n] if lora is not None
+             else list(built.reference.parameters()) if built.reference is not None else [])
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for parameter in moved:
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
     return built
 
 
