@@ -127,7 +127,10 @@ class GeneratorDataset(_DatasetBase):
                              "min_hops or raise max_hops")
         countdown_only = {"min_numbers", "max_numbers", "max_number", "min_target", "max_target"}
         other = {"countdown": {"min_hops", "max_hops"}, "keychain": countdown_only}[self.name]
-        if stray := sorted(other & self.model_fields_set):
+        # a field left at its default changes nothing, and a run's own task.yaml dump holds every field
+        defaults = {name: type(self).model_fields[name].default for name in other}
+        if stray := sorted(name for name in other & self.model_fields_set
+                           if getattr(self, name) != defaults[name]):
             raise ValueError(f"dataset: {', '.join(stray)} do not apply to the {self.name} generator; remove "
                              "them")
         return self

@@ -50,12 +50,25 @@ def test_the_task_runs_the_generators_map_in_the_sandbox_once_per_block() -> Non
             fresh["hop"](key)
 
 
-@pytest.mark.parametrize("stray", [{"max_numbers": 4}, {"min_target": 3}])
+@pytest.mark.parametrize("stray", [{"max_numbers": 5}, {"min_target": 3}])
 def test_countdown_settings_on_a_keychain_generator_are_refused(stray: dict) -> None:
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="do not apply to the keychain generator"):
         GeneratorDataset.model_validate({"name": "keychain", "num_samples": 4, **stray})
+
+
+@pytest.mark.parametrize("name", ["countdown", "keychain"])
+def test_a_dumped_generator_dataset_reloads_and_only_a_setting_that_differs_is_refused(name: str) -> None:
+    """A run writes its task with every field (run_dir/task.yaml): the other generator's fields at their
+    defaults change nothing and reload; one set to another value is still refused."""
+    from pydantic import ValidationError
+
+    dumped = GeneratorDataset.model_validate({"name": name, "num_samples": 4}).model_dump(mode="json")
+    assert GeneratorDataset.model_validate(dumped).model_dump(mode="json") == dumped
+    stray = {"countdown": {"max_hops": 12}, "keychain": {"max_number": 50}}[name]
+    with pytest.raises(ValidationError, match=f"{next(iter(stray))} do not apply to the {name} generator"):
+        GeneratorDataset.model_validate({**dumped, **stray})
 
 
 def _policy() -> SolverPolicy:

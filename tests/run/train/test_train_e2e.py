@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from run.launch.allocator import find_tcmalloc
 from run.observability.metrics_log import read_metrics
 from run.train.checkpointing import latest_checkpoint, load_checkpoint
+from run.train.wiring import load_task
 
 ROOT = Path(__file__).resolve().parents[3]
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
@@ -109,6 +110,10 @@ def test_train_runs_logs_every_metric_and_respects_the_lag_bound(tmp_path: Path,
     checkpoint = latest_checkpoint(tmp_path / "run")
     assert checkpoint is not None and checkpoint.name == "step_000004"
     assert (tmp_path / "run" / "tensorboard").is_dir()
+    # the run's own dumps load again as they are (a generator dataset's every field included)
+    check = _vcpo("config", "check", str(tmp_path / "run" / "config.yaml"))
+    assert check.returncode == 0, check.stderr[-2000:]
+    load_task(tmp_path / "run" / "task.yaml")
     export = tmp_path / "run" / "export"  # the trained policy as an HF directory, loadable by any engine
     assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
     assert (export / "tokenizer.json").is_file()
