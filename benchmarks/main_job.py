@@ -142,21 +142,27 @@ def summarize_seed(evidence: Path, min_gain: float) -> dict[str, Any]:
 
 def _learner_load(evidence: Path) -> dict[str, float | None]:
     """What the learner did per step, averaged over the run's steps: its seconds, the sampled tokens it
-    trained, every token it read (contexts included: what a managed context's repeated contexts cost), and
-    the episodes' segments and compactions. None where the run did not log the metric."""
+    trained, every token it read (contexts included: what a managed context's repeated contexts cost), the
+    episodes' segments and compactions, the weight push's seconds, and how far behaviour and learner
+    policies were apart (the batch's mean lag, KL estimate k3 and ESS ratio: how much each step moves the
+    policy shows in them at lag > 0). None where the run did not log the metric."""
     if not (evidence / "metrics.jsonl").is_file():
         return {}
     steps = [r for r in read_metrics(evidence) if r.get("trainer_step", 0) >= 1]
 
-    def mean(name: str) -> float | None:
+    def mean(name: str, digits: int = 2) -> float | None:
         values = [float(r[name]) for r in steps if r.get(name) is not None]
-        return round(sum(values) / len(values), 2) if values else None
+        return round(sum(values) / len(values), digits) if values else None
 
     return {"learner_s_per_step": mean(names.TIME_TRAIN),
             "tokens_trained_per_step": mean(names.TOKENS_TRAINED),
             "tokens_read_per_step": mean(names.TOKENS_LEARNER_INPUT),
             "segments_per_episode": mean(names.ROLLOUT_SEGMENTS_MEAN),
-            "compactions_per_episode": mean(names.ROLLOUT_COMPACTIONS_MEAN)}
+            "compactions_per_episode": mean(names.ROLLOUT_COMPACTIONS_MEAN),
+            "weight_sync_s_per_step": mean(names.TIME_WEIGHT_SYNC),
+            "lag_per_step": mean(names.STALENESS_MEAN),
+            "kl_k3_per_step": mean(names.IS_KL_K3, digits=6),
+            "ess_ratio_per_step": mean(names.IS_ESS_RATIO, digits=4)}
 
 
 def _eval_sets(evidence: Path) -> dict[str, Any]:
