@@ -226,13 +226,16 @@ def versus_baseline(evidence: Path, baseline: Path) -> dict[str, Any]:
 def summarize_main_job(evidence_root: Path, seeds: list[int], min_gain: float,
                        baselines: dict[str, Path] | None = None) -> dict[str, Any]:
     """Every seed's figures and the claim over all of them; with `baselines` (name → another bench's
-    evidence root), each seed's final success against each baseline's (`versus`)."""
+    evidence root), each seed's final success against each baseline's (`versus`) and each baseline's learner
+    block beside this arm's (`baseline_learner`)."""
     per_seed = {str(seed): summarize_seed(evidence_root / f"seed_{seed}", min_gain) for seed in seeds}
     for seed in seeds:
         versus = {name: versus_baseline(evidence_root / f"seed_{seed}", root / f"seed_{seed}")
                   for name, root in (baselines or {}).items()}
         if versus:
             per_seed[str(seed)]["versus"] = versus
+            per_seed[str(seed)]["baseline_learner"] = {name: _learner_load(root / f"seed_{seed}")
+                                                       for name, root in (baselines or {}).items()}
     walls = [row["process_wall_s"] for row in per_seed.values()]
     return {
         "seeds": per_seed,

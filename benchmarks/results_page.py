@@ -345,6 +345,22 @@ def versus_baselines(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def learner_versus_baselines(data: dict[str, Any]) -> str:
+    """Per seed of a `vcpo bench main_job` summary with `baselines`: what the learner did per step in this arm
+    and in each baseline — seconds, the weight push's seconds, and how far behaviour and learner were apart
+    (mean lag, KL k3, ESS ratio)."""
+    lines = ["| seed | arm | learner s/step | weight push s/step | mean lag | KL k3 | ESS ratio |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for seed, row in data["seeds"].items():
+        arms = [("this arm", row.get("learner", {})), *row.get("baseline_learner", {}).items()]
+        for name, block in arms:
+            figure = functools.partial(_figure, block)
+            lines.append(f"| {seed} | {name} | {figure('learner_s_per_step', '.1f')} | "
+                         f"{figure('weight_sync_s_per_step', '.2f')} | {figure('lag_per_step', '.2f')} | "
+                         f"{figure('kl_k3_per_step', '.5f')} | {figure('ess_ratio_per_step', '.3f')} |")
+    return "\n".join(lines) + "\n"
+
+
 def long_horizon_ceiling(data: dict[str, Any]) -> str:
     """examples/long_horizon/ceiling.py's figures: per set, the chains whose solver episode fits the budget
     without compaction (by hops), and each arm's final success by hops (mean over its seeds)."""
@@ -701,6 +717,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "main_job_other_runs": main_job_other_runs,
     "seeds_with_test_set": seeds_with_test_set,
     "versus_baselines": versus_baselines,
+    "learner_versus_baselines": learner_versus_baselines,
     "long_horizon_ceiling": long_horizon_ceiling,
     "results_at_a_glance": results_at_a_glance,
     "gpu_check_parts": gpu_check_parts,
