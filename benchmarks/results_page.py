@@ -585,6 +585,31 @@ def bench_learner(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bench_learner_lora(data: dict[str, Any]) -> str:
+    """`vcpo bench learner` with LoRA rows (benchmarks/configs/learner_lora.yaml): per row its trained
+    parameters, step time, peak memory (its own process) and, for a LoRA row, both over the same backend's
+    full-weight row measured in the same run."""
+    lines = ["| learner | trained parameters | step (min–max) | peak memory | LoRA ÷ full weights: step, "
+             "memory |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, row in data["results"].items():
+        if "step_s_mean" not in row:
+            lines.append(f"| {name} | — | — | — | {_short_reason(row)} |")
+            continue
+        ratio = row.get("vs_full_weights")
+        versus = "—" if ratio is None else f"{ratio['step_s']:.2f}×, {ratio['peak_memory']:.2f}×"
+        lines.append(f"| {name} ({row['matmul_dtype']} matmuls) | {row['trained_parameters'] / 1e6:.1f}M | "
+                     f"{row['step_s_mean']:.2f} s ({min(row['step_s']):.2f}–{max(row['step_s']):.2f}) | "
+                     f"{row['peak_memory_mib'] / 1024:.2f} GiB | {versus} |")
+    config = data["config"]
+    memory = "each row in its own process" if config.get("isolate") else "the process's so far"
+    lines.append(f"\n{config['groups']} groups × {config['group_size']} trajectories of {config['tokens']} "
+                 f"tokens ({config['prompt']} shared prompt, {config['sampled']} sampled), objective "
+                 f"{config['objective']}, LoRA rank {config['lora']['rank']}, alpha "
+                 f"{config['lora']['alpha']:g}, on {data['device']}; peak memory: {memory}; host "
+                 f"{_host(data['host'])}.")
+    return "\n".join(lines) + "\n"
+
+
 def _short_reason(row: dict[str, Any]) -> str:
     """Why a row has no figure, in a table cell's words (out of memory: the allocation that failed)."""
     reason = (row.get("skipped") or row.get("error") or "did not run").splitlines()[0]
@@ -724,6 +749,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "bench_sandbox": bench_sandbox,
     "bench_learner": bench_learner,
     "bench_learner_long": bench_learner_long,
+    "bench_learner_lora": bench_learner_lora,
     "bench_opob": bench_opob,
     "bench_engine": bench_engine,
     "bench_async": bench_async,
