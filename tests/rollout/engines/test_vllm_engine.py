@@ -83,6 +83,36 @@ async def test_weight_load_takes_effect_mid_generation(
     )
 
 
+async def test_a_lora_learners_merged_policy_is_what_vllm_samples(
+    engine: VLLMEngine, reference_model: PreTrainedModel, chat_prompts: list[list[int]]
+) -> None:
+    """learner.lora: the learner pushes its merged policy (base + adapters) under the base's names, and vLLM
+    then samples exactly the adapted policy the learner trains (its log-probs equal the learner's forward of
+    the peft model) — the adapter reaches the engine."""
+    import copy
+
+    from configs.schema import AlgoConfig, LoraSettings, OptimConfig
+    from learner.backends.torch_learner import TorchLearner
+
+    learner = TorchLearner(copy.deepcopy(reference_model), AlgoConfig(), OptimConfig(),
+                           micro_batch_tokens=1024, lora=LoraSettings(rank=8, alpha=16))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # adapters away from zero, so the adapted policy is not the base
+        for name, parameter in learner.model.named_parameters():
+            if ".lora_B." in name:
+                parameter.copy_(0.02 * torch.randn(parameter.shape, generator=generator))
+    learner.model.eval()
+    try:
+        await engine.load_weights(list(learner.named_weights()), engine.version + 1)
+        await spec.check_logprobs_match_forward(
+            engine, learner.model, chat_prompts[:2], atol=FP32_ATOL, max_new_tokens=4)
+        with pytest.raises(AssertionError):  # and not the base's
+            await spec.check_logprobs_match_forward(
+                engine, reference_model, chat_prompts[:1], atol=FP32_ATOL, max_new_tokens=4)
+    finally:
+        await engine.load_weights(list(reference_model.state_dict().items()), engine.version + 1)
+
+
 async def test_bad_weights_and_requests_are_rejected_with_the_fix(
     engine: VLLMEngine, reference_model: PreTrainedModel
 ) -> None:
