@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -732,10 +733,33 @@ def bench_async(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def staleness_judges(data: dict[str, Any]) -> str:
+    """The timed preset once per `auto_lag.judge` (`arms`: judge → that run's compact summary): per method and
+    k, each arm's final score, time to score, mean bound, the lag-0 (mismatch) ESS ratio and the ratio the
+    bound's controller judged — what the judge changes. A fixed k's rows are the same runs in every arm."""
+    lines = ["| method | k | judge | final score | time to score | mean bound | lag-0 ESS median (min) | "
+             "judged ESS median |", "|---|---|---|---|---|---|---|---|"]
+    arms = data["arms"]
+    first = next(iter(arms.values()))["summary"]["table"]
+    for index, entry in enumerate(first):
+        judged_arms = arms.items() if entry["lag"] == "auto" else [("—", arms[next(iter(arms))])]
+        for judge, arm in judged_arms:
+            e = arm["summary"]["table"][index]
+            clock = "never" if not math.isfinite(e["time_to_target"]) else f"{e['time_to_target']:.0f} s"
+            mismatch = (f"{e['median_mismatch_ess_ratio']:.4f} ({e['min_mismatch_ess_ratio']:.3f})"
+                        if e.get("median_mismatch_ess_ratio") is not None else "—")
+            judged = e.get("median_judged_ess_ratio")
+            lines.append(f"| {e['method']} | {e['lag']} | {judge} | {e['final_success']:.3f} ± "
+                         f"{e['final_success_ci95']:.3f} | {clock} | {e['mean_bound']:.1f} | {mismatch} | "
+                         f"{'—' if judged is None else f'{judged:.4f}'} |")
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "staleness_ten_seeds": staleness_ten_seeds,
     "staleness_matrix": staleness_matrix,
     "staleness_timed": format_timed,
+    "staleness_judges": staleness_judges,
     "staleness_answer": staleness_answer,
     "main_job_seeds": main_job_seeds,
     "main_job_readme": main_job_readme,

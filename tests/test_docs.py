@@ -735,7 +735,8 @@ def test_the_results_pages_generated_tables_are_what_their_committed_data_gives(
     from benchmarks import results_page
 
     readme = (ROOT / "README.md").read_text()
-    assert results_page.blocks(readme) == ["main_job_readme", "main_job_other_runs", "results_at_a_glance"]
+    assert results_page.blocks(readme) == ["main_job_readme", "seeds_with_test_set", "main_job_other_runs",
+                                           "results_at_a_glance"]
     rendered, changed = results_page.render(readme)
     assert not changed and rendered == readme, f"README.md: {changed} differ from their JSON; rerun it"
     for page, required in (("results.md", {"staleness_ten_seeds", "main_job_seeds"}),

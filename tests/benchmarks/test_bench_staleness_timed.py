@@ -85,7 +85,8 @@ def test_a_bf16_engine_runs_on_the_timeline_and_its_mismatch_is_measured_apart(t
     mismatch ESS ratio below 1, the ratio the controller judged), and the summary labels the numerics."""
     bench = _bench(tmp_path, lags=[0, "auto"], numerics=["bf16_engine"])
     result = run_timed_staleness_bench(bench)
-    assert {(r["lag"], r["numerics"]) for r in result["runs"]} == {(0, "bf16_engine"), ("auto", "bf16_engine")}
+    assert {(r["lag"], r["numerics"]) for r in result["runs"]} == {(0, "bf16_engine"),
+                                                                    ("auto", "bf16_engine")}
     for run in result["runs"]:
         assert "error" not in run, run.get("error")
         mismatch = [v for v in run["curves"]["mismatch_ess_ratio"] if v is not None and math.isfinite(v)]
@@ -169,3 +170,26 @@ def test_the_committed_summary_is_recomputed_from_its_stored_rows() -> None:
     committed = json.loads(COMMITTED.read_text())
     recomputed = json.loads(json.dumps(timed_summary(bench, rows), allow_nan=True))
     assert recomputed == committed["summary"]
+
+
+@pytest.mark.parametrize("judge", ["staleness", "total"])
+def test_each_bf16_engine_arm_is_recomputed_from_its_own_stored_rows(judge: str) -> None:
+    """staleness_timed_bf16.yaml's two arms share their k = 0 rows and store their `auto` rows apart (the
+    controller's settings are in an auto run's key): each committed summary is its own jobs' rows."""
+    from benchmarks.staleness.bench import policy_digest, policy_store, results_dir, run_key
+    from benchmarks.staleness.tasks import policy_fingerprint
+    from benchmarks.staleness.timed import jobs
+
+    path = ROOT / "docs" / "results" / "staleness_timed_bf16.json"
+    if not path.is_file():
+        pytest.skip("docs/results/staleness_timed_bf16.json is written when both arms have run (docs/log.md)")
+    raw = yaml.safe_load((BENCH_CONFIG_ROOT / "staleness_timed_bf16.yaml").read_text())
+    raw["auto_lag"] = {**raw["auto_lag"], "judge": judge}
+    bench = StalenessTimedBenchConfig.model_validate(raw)
+    weights = policy_digest(ROOT / policy_store(bench) / f"policy-{policy_fingerprint(bench)}")
+    rows = [json.loads((ROOT / results_dir(bench) / f"{run_key(bench, job, weights)}.json").read_text())
+            for job in jobs(bench)]
+    assert {r["numerics"] for r in rows} == {"bf16_engine"} and len(rows) == 12
+    recomputed = json.loads(json.dumps(timed_summary(bench, rows), allow_nan=True))
+    arm = json.loads(path.read_text())["arms"][judge]
+    assert arm["config"]["auto_lag"]["judge"] == judge and recomputed == arm["summary"]
