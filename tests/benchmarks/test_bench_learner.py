@@ -65,12 +65,16 @@ def test_megatron_bench_on_cpu_says_what_to_do() -> None:
                       batch=BenchBatch(groups=1, group_size=2, tokens=8, sampled=4, prompt=0))
 
 
+TINY_CLI = ["device=cpu", "kind=qwen2", "vocab_size=128", "hidden_size=32", "intermediate_size=64",
+            "num_hidden_layers=1", "num_attention_heads=2", "num_key_value_heads=1", "groups=2",
+            "group_size=2", "tokens=24", "prompt=4", "sampled=16", "steps=2", "peak_gemm_size=128"]
+"""`vcpo bench learner` overrides for TINY's model and a 2 × 2 batch of 24 tokens."""
+
+
 def test_cli_bench_learner_reports_each_backend_and_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "learner.json"
-    overrides = ["backends=[torch,torch-autocast,megatron]", "device=cpu", "kind=qwen2", "vocab_size=128",
-                 "hidden_size=32", "intermediate_size=64", "num_hidden_layers=1", "num_attention_heads=2",
-                 "num_key_value_heads=1", "groups=2", "group_size=2", "tokens=24", "prompt=4", "sampled=16",
-                 "steps=2", "peak_gemm_size=128", "force_emulated=true", "fused_elementwise=auto"]
+    overrides = ["backends=[torch,torch-autocast,megatron]", *TINY_CLI, "force_emulated=true",
+                 "fused_elementwise=auto"]
     assert main(["bench", "learner", "--out", str(out), *overrides]) == 0
     result = json.loads(out.read_text())
     torch_row, megatron_row = result["results"]["torch"], result["results"]["megatron"]
@@ -95,10 +99,7 @@ def test_cli_bench_learner_reports_each_backend_and_the_ratio(tmp_path: Path) ->
 def test_lora_rows_train_the_adapters_alone_each_in_its_own_process_beside_full_weights(
         tmp_path: Path) -> None:
     out = tmp_path / "learner.json"
-    overrides = ["backends=[torch,torch-lora]", "device=cpu", "kind=qwen2", "vocab_size=128",
-                 "hidden_size=32", "intermediate_size=64", "num_hidden_layers=1", "num_attention_heads=2",
-                 "num_key_value_heads=1", "groups=2", "group_size=2", "tokens=24", "prompt=4", "sampled=16",
-                 "steps=2", "peak_gemm_size=128", "isolate=true", "lora={rank: 4, alpha: 8}"]
+    overrides = ["backends=[torch,torch-lora]", *TINY_CLI, "isolate=true", "lora={rank: 4, alpha: 8}"]
     assert main(["bench", "learner", "--out", str(out), *overrides]) == 0
     rows = json.loads(out.read_text())["results"]
     full, lora = rows["torch"], rows["torch-lora"]
