@@ -218,10 +218,8 @@ def bench_learner(backend: str, *, device: str = "cpu",
     everything the process ever held, e.g. the checkpoint written at the start). `recompute`: activation
     recompute (`model.gradient_checkpointing`); `logits_chunk_mib`: `learner.logits_chunk_mib`; `hf_dir`:
     a random checkpoint written already (else one is written here); `with_kernel_floor`: also time the
-    step's kernels alone. A '-lora' backend trains `lora`'s adapters (LoraSettings fields) on the frozen
-    base: its model FLOPs and MFU count a full-weight step (LoRA skips the base's weight gradients, about a
-    third of them, and adds the adapters' small products), so compare its step time, not its MFU, and it
-    has no kernel floor.
+    step's kernels alone. A '-lora' backend trains `lora`'s adapters on the frozen base; its FLOPs and MFU
+    count a full-weight step (LoRA skips the base's weight gradients): compare its time. No kernel floor.
     """
     adapters = LoraSettings.model_validate(lora or {}) if backend.endswith("-lora") else None
     with_kernel_floor = with_kernel_floor and adapters is None
