@@ -79,18 +79,16 @@ def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(base model's name, tensor) of every parameter with the adapters merged into their layers'
     weights — what an engine without the adapters loads. Deterministic: the same tensors on every call."""
-    adapted = dict(lora_layers(model))
     merged: dict[str, Tensor] = {}
-    for name, layer in adapted.items():
-        base = layer.get_base_layer().weight
-        delta = layer.get_delta_weight(ADAPTER)
-        merged[f"{name}.base_layer.weight"] = (base.detach().float() + delta.detach().float()).to(base.dtype)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                continue
-            tensor = merged.get(name, parameter.detach())
-            yield name.replace(".base_layer.", "."), tensor
+    with torch.no_grad():  # never across a yield: grad mode is the caller's state between two items
+        for name, layer in lora_layers(model):
+            base = layer.get_base_layer().weight
+            delta = layer.get_delta_weight(ADAPTER)
+            merged[f"{name}.base_layer.weight"] = (base.float() + delta.float()).to(base.dtype)
+    for name, parameter in model.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        yield name.replace(".base_layer.", "."), merged.get(name, parameter.detach())
 
 
 def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:

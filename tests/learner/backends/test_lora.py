@@ -145,6 +145,18 @@ def test_the_engine_gets_the_merged_policy_under_the_base_models_names() -> None
         torch.testing.assert_close(tensor, reference[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_reading_the_merged_weights_leaves_the_callers_grad_mode_alone() -> None:
+    """Two pushes read side by side (as a comparison does) and a partly read one: grad mode stays on."""
+    first, second = _learner(VCPO), _learner(VCPO)
+    for (name, _), (other, _) in zip(first.named_weights(), second.named_weights(), strict=True):
+        assert name == other and torch.is_grad_enabled()
+    partial = first.named_weights()
+    next(partial)
+    assert torch.is_grad_enabled()
+    del partial
+    assert torch.is_grad_enabled()
+
+
 def test_the_merged_weights_sample_what_the_learner_trains() -> None:
     """k = 0 with LoRA: an engine holding the pushed weights gives the learner's own log-probs (fp32)."""
     learner = _learner(VCPO)
