@@ -28,7 +28,7 @@ from benchmarks.staleness.timed import format_timed
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = (ROOT / "docs" / "results.md", ROOT / "docs" / "performance.md", ROOT / "README.md",
-         ROOT / "examples" / "long_horizon" / "README.md")
+         ROOT / "examples" / "long_horizon" / "README.md", ROOT / "docs" / "lora.md")
 """The pages with generated blocks."""
 
 _BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) from (?P<path>[\w./-]+) -->\n)(?P<body>.*?)"
