@@ -282,3 +282,27 @@ def test_the_default_lora_settings_adapt_every_projection_and_train_a_step() -> 
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     trajectories, groups = _as_trajectories(random_trajectories(3, 3, seed=1))
     learner.step(StepInput(trajectories, groups, [0] * len(trajectories), [True] * len(trajectories)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_a_lora_step_moves_only_the_adapters_with_exact_norms(dtype: torch.dtype) -> None:
+    """learner.lora on CUDA (fp32 and bf16 bases): the fast norms equal the per-trajectory path's (fp32),
+    the step moves only the adapters and the base keeps its dtype."""
+    trajectories = random_trajectories(num_groups=3, per_group=3)
+    model, _ = _lora_model()
+    model = model.to("cuda")
+    a, s = vcpo_coefficients(len(trajectories), seed=3)
+    batches = pack_trajectories(trajectories, max_tokens=50)
+    want = accumulate_opob_grad_per_trajectory(model, batches, a, s, optimal_baseline(a, s))
+    model.zero_grad(set_to_none=True)
+    got = accumulate_opob_grad_packed(model, batches, a, s, optimal_baseline(a, s))
+    torch.testing.assert_close(got.sq_norms, want.sq_norms, rtol=1e-5, atol=0.0)
+    learner = TorchLearner(tiny_model("llama_tied", attn_implementation=register_varlen_sdpa())
+                           .to("cuda", dtype).train(), VCPO, OptimConfig(lr=1e-2), micro_batch_tokens=64,
+                           lora=SETTINGS)
+    base = {n: p.detach().clone() for n, p in learner.model.named_parameters() if not p.requires_grad}
+    learner.step(_noisy_step())
+    learner.step(_noisy_step())
+    assert all(torch.equal(learner.model.get_parameter(n), v) and v.dtype == dtype for n, v in base.items())
+    assert all(".lora_" in n for n, p in learner.model.named_parameters() if p.requires_grad)
