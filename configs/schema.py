@@ -34,7 +34,8 @@ class ModelConfig(StrictModel):
     """Recompute each decoder layer's activations in the backward pass (HF's activation checkpointing):
     memory for one layer's activations instead of all of them, one more forward of compute. VCPO's exact
     per-trajectory norms stay on the fast path (their hooks take each layer's input from the recompute;
-    learner/traj_grads/hooks.py). Torch learner; the megatron learner refuses it."""
+    learner/traj_grads/hooks.py). Torch learner; the megatron learner has its own
+    (learner.megatron.recompute_granularity)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,8 +243,8 @@ class OPOBConfig(StrictModel):
     """winsorized_mean with form='spec' only: cap each group's baseline weights ω at this quantile."""
     grad_norm_path: Literal["fast", "per_trajectory"] = "fast"
     """Per-trajectory gradient norms: hooks on packed micro-batches (fast, exact) or one backward per
-    trajectory (the reference). learner.backend='megatron' takes 'fast' only without pipeline, context
-    or sequence parallelism (tensor parallelism is fine; local layers), else 'per_trajectory'."""
+    trajectory (the reference). learner.backend='megatron' takes 'fast' with its local layers (tensor,
+    pipeline and context parallelism and recompute included), 'per_trajectory' with TransformerEngine's."""
 
 
 class VCPOObjective(StrictModel):
@@ -657,7 +658,8 @@ class MegatronConfig(StrictModel):
     """CP: each packed row of micro_batch_tokens is cut into CP contiguous chunks, one per rank, for
     long sequences: every layer runs on the rank's chunk only, and attention gathers the keys and values
     of the whole row from the CP ranks (all-gather context parallelism; needs transformer_impl='local').
-    With VCPO each trajectory's gradient is also all-reduced over CP for its norm."""
+    With VCPO a trajectory that crosses a chunk boundary has its per-layer gradient summed over CP for its
+    norm."""
     sequence_parallel: bool = False
     """Shard the activations outside attention/MLP along the sequence across the TP ranks (less
     activation memory); needs tensor_model_parallel_size > 1 and transformer_impl='transformer_engine'."""
@@ -670,9 +672,29 @@ class MegatronConfig(StrictModel):
     block-diagonal causal mask (memory ∝ micro_batch_tokens²). 'transformer_engine': TE layers with packed
     `thd` sequences (cu_seqlens, no mask); GPU only, needs transformer-engine installed."""
 
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Activation recompute, megatron's: 'full' keeps only the input of each recomputed layer and runs the
+    layer's forward again in the backward (activation memory ∝ tokens × hidden per layer instead of every
+    intermediate); 'selective' recomputes the core attention alone (its scores and softmax, ∝ tokens² with
+    the local layers' mask). None: off. VCPO's fast norm path takes either: its hooks read a recomputed
+    layer's input in the recompute, once per layer (docs/algorithm.md)."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """With 'full': 'uniform' checkpoints every layer, in chunks of recompute_num_layers (one input kept per
+    chunk); 'block' checkpoints the first recompute_num_layers layers of each pipeline stage, one by one,
+    and keeps the others' activations."""
+    recompute_num_layers: int = Field(1, ge=1)
+    """With 'full': layers per checkpointed chunk ('uniform') or layers checkpointed per stage ('block')."""
+
     @model_validator(mode="after")
     def _check(self) -> MegatronConfig:
         problems = []
+        # only a value other than the default is refused: a written config (every field) reloads
+        if self.recompute_granularity != "full" and self.recompute_method != "uniform":
+            problems.append(f"recompute_method='{self.recompute_method}' applies to "
+                            "recompute_granularity='full' only; set that or drop recompute_method")
+        if self.recompute_granularity != "full" and self.recompute_num_layers != 1:
+            problems.append("recompute_num_layers applies to recompute_granularity='full' only; set that or "
+                            "drop recompute_num_layers")
         if self.context_parallel_size > 1 and self.transformer_impl != "local":
             problems.append(f"context_parallel_size={self.context_parallel_size} needs "
                             "transformer_impl='local' (the learner's context parallelism gathers keys and "
@@ -729,8 +751,8 @@ class LearnerConfig(StrictModel):
     backend: Literal["torch", "megatron"] = "torch"
     """'torch': the HF model on one device; 'megatron': megatron-core with tensor parallelism (the
     `megatron` section; needs `pip install vcpo[megatron]` and CUDA). VCPO's per-trajectory norms take
-    algo.objective.opob.grad_norm_path='fast' on megatron only with PP = CP = 1, no sequence parallelism
-    and local layers (else 'per_trajectory'); either way the norms are summed over the shards."""
+    algo.objective.opob.grad_norm_path='fast' on megatron with local layers (TransformerEngine's, and so
+    sequence parallelism: 'per_trajectory'); either way the norms are summed over the ranks."""
     device: str = "auto"
     """torch device of the learner's model: 'auto' (cuda when available, else cpu), 'cpu', 'cuda:0'."""
     micro_batch_tokens: int = Field(2048, ge=1)
@@ -755,8 +777,8 @@ class LearnerConfig(StrictModel):
     π_θ = π_old there — which saves that forward (about a quarter of a VCPO step) but under autocast
     gives IS weights with bf16 rounding in them (measured in docs/performance.md). 'auto': 'reuse' where
     that forward is in the weights' dtype anyway (no autocast: the same log-probs), else 'separate'.
-    Reuse applies to VCPO on the fast norm path (the torch learner's, megatron's at tensor parallel
-    size 1); elsewhere the learner keeps the separate forward."""
+    Reuse applies to VCPO on the fast norm path (the torch learner's, megatron's with one tensor and one
+    pipeline stage); elsewhere the learner keeps the separate forward."""
     share_prompts: bool = True
     """Forward each group's common prompt once instead of once per trajectory, wherever no hook needs
     each trajectory's own activations: the proximal pass (log π_old), the reference model's and OTB's
@@ -997,6 +1019,14 @@ class RunConfig(StrictModel):
                              "but learner.proximal='reuse' takes log π_old from that pass; set "
                              "learner.proximal to 'separate' or 'auto' (which keeps the separate forward "
                              "with corrections)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_megatron_recompute(self) -> RunConfig:
+        if self.learner.backend == "megatron" and self.model.gradient_checkpointing:
+            raise ValueError("model.gradient_checkpointing is HF's activation recompute (the torch learner); "
+                             "the megatron learner has its own: set model.gradient_checkpointing=false and "
+                             "learner.megatron.recompute_granularity='full' (or 'selective')")
         return self
 
     @model_validator(mode="after")

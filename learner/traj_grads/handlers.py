@@ -44,9 +44,7 @@ from torch.nn.utils.rnn import pad_sequence
 from learner.forward.chunked_head import HeadChunk
 from learner.forward.packing import PackedMicroBatch
 from learner.traj_grads.buffers import GroupBuffers, add_to_grad, grad_of
-
-Segments = tuple[tuple[int, int], ...]
-"""Per packed trajectory, the `[start, end)` rows it owns in a module's input (host ints)."""
+from learner.traj_grads.split_rows import Segments, SplitRows
 
 
 class UniqueInputs(NamedTuple):
@@ -108,6 +106,9 @@ class MicroBatchState:
     """Host group id of each packed trajectory."""
     tied_rows: list[Tensor] | None = None
     """Per trajectory, `G_j[u_j]` of a tied lm_head, rows aligned with `unique_inputs().segments`."""
+    split: SplitRows | None = None
+    """This rank's share of the rows when the micro-batch's tokens are split over ranks (context
+    parallelism; learner/traj_grads/split_rows.py); None: the handlers see every row."""
     gram_cache: dict[tuple[object, ...], tuple[Tensor, Tensor]] = field(default_factory=dict)
     """(input, its Gram matrices) keyed by storage address, shape and segments: shared by layers
     reading the same tensor (q/k/v, gate/up)."""
@@ -156,10 +157,17 @@ class MicroBatchState:
         """Host `(a_j, s_j)`."""
         return self._coefs_host[j]
 
-    def rows(self, num_rows: int, name: str) -> tuple[Segments, Tensor]:
+    def rows(self, num_rows: int, name: str, targets: bool = False) -> tuple[Segments, Tensor]:
         """Segments and (R,) row → trajectory map for a module that saw `num_rows` rows: all
-        packed tokens (decoder layers) or only the target positions (lm_head)."""
+        packed tokens (decoder layers) or only the target positions (lm_head; `targets`, which a split
+        micro-batch needs told: its rank's token and target rows may be as many)."""
         batch = self.batch
+        if self.split is not None:
+            start, end = self.split.targets if targets else self.split.tokens
+            if num_rows != end - start:
+                raise RuntimeError(f"{name} saw {num_rows} rows, not its rank's {end - start} "
+                                   f"{'target positions' if targets else 'packed tokens'}")
+            return self.split.window(targets, *(self._target_rows if targets else self._token_rows))
         if num_rows == batch.num_tokens:
             return self._token_rows
         if num_rows == batch.target_positions.numel():
@@ -275,6 +283,8 @@ class _Hooked:
         self.recomputed = False
         """Its module runs inside a checkpointed (recomputed) layer: the input is taken from the recompute
         in the backward, not kept from the forward, and the gradient applied at once (`all_open_plan`)."""
+        self.reads_targets = False
+        """Its module sees the target positions only (the output head), not every packed token."""
         self._state: MicroBatchState | None = None
         self._x: Tensor | None = None
         self._source: Tensor | None = None
@@ -499,10 +509,11 @@ class LinearHandler(_Hooked):
 
     def on_backward(self, delta: Tensor, x: Tensor) -> None:
         state = self.state
-        self._segments, self._row_trajectory = state.rows(delta.shape[0], self.name)
+        self._segments, self._row_trajectory = state.rows(delta.shape[0], self.name, self.reads_targets)
         if self.bias is not None:
             self._bias_grads = _segment_sums(delta, self._row_trajectory, state.batch.num_trajectories)
-            state.sq_norms += self._bias_grads.square().sum(1)
+            state.sq_norms += (self._bias_grads.square().sum(1) if state.split is None
+                               else state.split.complete_norms(self._bias_grads))
         if self.weight is not None:
             self._weight_norms(delta, x)
         if not self._gram:  # nothing deferred: free the layer's input and output gradient now
@@ -511,9 +522,10 @@ class LinearHandler(_Hooked):
     def _weight_norms(self, delta: Tensor, x: Tensor) -> None:
         state, weight = self.state, self.weight
         in_features, out_features = x.shape[1], delta.shape[1]
+        shared = () if state.split is None else state.split.shared
         self._gram, dense = [], []
         for j, (start, end) in enumerate(self._segments):
-            if end == start:
+            if end == start or j in shared:
                 continue
             cheap = _gram_is_cheaper(end - start, in_features, out_features, state.dense_cost_flops,
                                      self.recomputed or state.group_open(j))
@@ -540,8 +552,29 @@ class LinearHandler(_Hooked):
             state.buffers.add(group_of[j], weight, per_trajectory, baseline_coef)
             if self.tied:
                 tied_rows[j] = per_trajectory[self._unique_tokens(j)]
+        if shared:
+            self._shared_weight_norms(delta, x, shared, tied_rows)
         if self.tied:
             state.tied_rows = self._tied_rows(delta, x, tied_rows)
+
+    def _shared_weight_norms(self, delta: Tensor, x: Tensor, shared: tuple[int, ...],
+                             tied_rows: dict[int, Tensor]) -> None:
+        """Trajectories with rows on other ranks too (`SplitRows`): this rank's partial `G_j` applied as on
+        the dense route, its norm (and tied rows) from the partials summed over the ranks."""
+        state = self.state
+        partials = torch.stack([delta[start:end].T.float() @ x[start:end].float()
+                                for start, end in (self._segments[j] for j in shared)])
+        for i, j in enumerate(shared):
+            reward_coef, baseline_coef = state.coefs_of(j)
+            add_to_grad(self.weight, partials[i].to(delta.dtype), -reward_coef)
+            state.buffers.add(state.group_of[j], self.weight, partials[i].to(delta.dtype), baseline_coef)
+        state.split.reduce(partials)  # now each trajectory's whole G_j
+        if state.split.counts_shared:
+            state.sq_norms.index_add_(0, torch.tensor(shared, device=partials.device),
+                                      partials.square().sum((1, 2)))
+        if self.tied:
+            for i, j in enumerate(shared):
+                tied_rows[j] = partials[i][self._unique_tokens(j)]
 
     def _unique_tokens(self, j: int) -> Tensor:
         """This weight's rows of trajectory `j`'s distinct input tokens (a shard's: clamped where it does not
@@ -636,8 +669,10 @@ class RMSNormHandler(_Hooked):
         self._per_trajectory = _segment_sums(
             delta.float() * normalised.float(), row_trajectory, len(state.sq_norms)
         )
+        norms = (self._per_trajectory.square().sum(1) if state.split is None
+                 else state.split.complete_norms(self._per_trajectory))
         if self.counted:
-            state.sq_norms += self._per_trajectory.square().sum(1)
+            state.sq_norms += norms
 
     def apply(self, plan: ApplyPlan) -> None:
         if self._per_trajectory is not None:
@@ -684,11 +719,17 @@ class EmbeddingHandler:
         # E_j restricted to its rows u_j: (U, H), trajectory-major like tied_rows.
         rows = torch.zeros(len(unique.tokens), delta.shape[1], dtype=torch.float32, device=delta.device)
         rows.index_add_(0, unique.inverse, delta.float())
-        row_norms = rows.square().sum(1)
-        if self.tied:
-            if state.tied_rows is None:
-                raise RuntimeError(f"{self.name} is tied to an lm_head whose gradient hook never ran")
-            row_norms += 2.0 * (torch.cat(state.tied_rows) * rows).sum(1)  # cross term 2⟨G_j, E_j⟩
+        if self.tied and state.tied_rows is None:
+            raise RuntimeError(f"{self.name} is tied to an lm_head whose gradient hook never ran")
+        tied_rows = torch.cat(state.tied_rows) if self.tied else None
+        row_norms = _embedding_row_norms(rows, tied_rows)
+        split = state.split
+        if split is not None and split.shared:  # their rows summed over the ranks, counted on one
+            picked = torch.cat([torch.arange(*unique.segments[j], device=rows.device) for j in split.shared])
+            summed = rows[picked].clone()
+            split.reduce(summed)
+            shared_tied = None if tied_rows is None else tied_rows[picked]
+            row_norms[picked] = _embedding_row_norms(summed, shared_tied) if split.counts_shared else 0.0
         state.sq_norms.index_add_(0, unique.row_trajectory, row_norms)
 
     def apply(self, plan: ApplyPlan) -> None:
@@ -704,3 +745,12 @@ class EmbeddingHandler:
             coefs = state.baseline_coefs[token_trajectory[rows]].to(delta.dtype).unsqueeze(1)
             buffer = state.buffers.get(group_id, self.weight)
             buffer.index_add_(0, self._rows[rows], (delta[rows] * coefs).to(buffer.dtype))
+
+
+def _embedding_row_norms(rows: Tensor, tied_rows: Tensor | None) -> Tensor:
+    """Per row of `E_j` (fp32), its squared norm, plus the cross term `2⟨G_j, E_j⟩` of that row when the
+    embedding is tied to an output head whose `G_j` rows are `tied_rows`."""
+    norms = rows.square().sum(1)
+    if tied_rows is not None:
+        norms += 2.0 * (tied_rows * rows).sum(1)
+    return norms

@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from learner.forward.fused_layers import RMS_NORM_CLASSES
 from learner.forward.logprobs import autocast, head_chunk_plan, packed_target_logprobs
+from learner.forward.packing import PackedMicroBatch
 from learner.traj_grads.handlers import (
     ApplyPlan,
     EmbeddingHandler,
@@ -125,8 +126,12 @@ class PackedGradHooks:
         if self.embedding is not None:
             self.embedding.tied = tied
 
+    def _recomputed_modules(self) -> set[int]:
+        """ids of the modules whose forward the backward recomputes (inside a checkpointed layer)."""
+        return _recomputed_modules(self.model)
+
     def __enter__(self) -> PackedGradHooks:
-        recomputed = _recomputed_modules(self.model)
+        recomputed = self._recomputed_modules()
         for module, handler in self.hooked:
             handler.recomputed = id(module) in recomputed
         try:
@@ -201,7 +206,7 @@ class PackedGradHooks:
         chunks = head_chunk_plan(self.model, batch, self.logits_chunk_mib)
         head = self._head_handler() if chunks is not None else None
         with torch.enable_grad():
-            embedded = self.embedding_module(batch.input_ids).detach().requires_grad_(True)
+            embedded = self._graph_start(batch)
             with autocast(self.device, self.autocast_dtype):
                 logprobs = packed_target_logprobs(self.model, batch, inputs_embeds=embedded,
                                                   temperature=self.temperature, chunks=chunks,
@@ -216,8 +221,19 @@ class PackedGradHooks:
         if stuck:
             raise RuntimeError(f"{', '.join(stuck)}: the output gradient arrived but the checkpointed layer "
                                "was never recomputed; use accumulate_opob_grad_per_trajectory for this model")
-        if self.embedding is not None and embedded.grad is not None:
+        self._after_backward(state)
+        if self.embedding is not None and embedded is not None and embedded.grad is not None:
             self.embedding.on_backward(embedded.grad)
+
+    def _graph_start(self, batch: PackedMicroBatch) -> Tensor | None:
+        """Where the pass's autograd graph starts: the embedding's output for `batch`, detached, requiring
+        grad (so no weight gradient is computed by autograd). None: the model starts from `input_ids`
+        (a model part without the embedding — a later pipeline stage)."""
+        return self.embedding_module(batch.input_ids).detach().requires_grad_(True)
+
+    def _after_backward(self, state: MicroBatchState) -> None:
+        """Between the backward and the embedding's handler: where a split model brings the embedding what
+        another part of it computed (nothing on one process)."""
 
     def _head_handler(self) -> LinearHandler | None:
         """The handler of the output head's weight (None when the head is frozen)."""

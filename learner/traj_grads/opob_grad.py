@@ -64,6 +64,9 @@ log-probs (`accumulate_opob_grad_packed`)."""
 RankSqNorm = Callable[[Sequence[nn.Parameter], Sequence[Tensor]], Tensor]
 """`rank_sq_norm(params, grads) -> ()` fp32: this rank's share of one trajectory's `‖g_i‖²`."""
 
+TrajectoryGrads = Callable[[PackedMicroBatch, list[nn.Parameter]], list[Tensor]]
+"""`trajectory_grads(one-trajectory micro-batch, params) -> ∇ℓ` for those params (zeros where unused)."""
+
 
 def squared_sum(grads: Sequence[Tensor], device: torch.device | None = None) -> Tensor:
     """`Σ ‖grad‖²` in fp32 over `grads`; a 0 on `device` (default CPU) when there are none."""
@@ -281,6 +284,7 @@ def accumulate_opob_grad_per_trajectory(
     autocast_dtype: torch.dtype | None = None,
     temperature: float = DEFAULT_TEMPERATURE,
     logits_chunk_mib: float | None = None,
+    trajectory_grads: TrajectoryGrads | None = None,
 ) -> OpobGradResult:
     """The reference OPOB gradient: one forward/backward per trajectory, two buffers.
 
@@ -292,7 +296,9 @@ def accumulate_opob_grad_per_trajectory(
     gradients for trajectory i (default: `Σ ‖grad‖²` over all of them), called once per trajectory
     in the same order on every rank; with model parallelism the shares over the ranks must sum to
     the whole norm (module docstring). `temperature`, `logits_chunk_mib`: as in
-    `accumulate_opob_grad_packed`. `.grad` is left untouched if it raises.
+    `accumulate_opob_grad_packed`. `trajectory_grads`: how one trajectory's `∇ℓ` is computed (default:
+    `torch.autograd.grad` of its log-likelihood; a backend whose graph `autograd.grad` cannot run through
+    passes its own). `.grad` is left untouched if it raises.
     """
     num_trajectories = _check_coefs(reward_coefs, baseline_coefs)
     schedule = _GroupSchedule.build(microbatches, reward_coefs, baseline_coefs)
@@ -301,11 +307,15 @@ def accumulate_opob_grad_per_trajectory(
     device = params[0].device if params else reward_coefs.device
     sq_norms = torch.zeros(num_trajectories, dtype=torch.float32, device=device)
     buffers, baselines = GroupBuffers(), {}
+
+    def autograd_grads(single: PackedMicroBatch, params: list[nn.Parameter]) -> list[Tensor]:
+        return _trajectory_grads(model, single, params, autocast_dtype, temperature, logits_chunk_mib)
+
+    gradients = trajectory_grads or autograd_grads
     for m, batch in enumerate(microbatches):
         for j in range(batch.num_trajectories):
             index, group = int(batch.trajectory_indices[j]), int(batch.group_ids[j])
-            grads = _trajectory_grads(model, batch.select(j), params, autocast_dtype, temperature,
-                                      logits_chunk_mib)
+            grads = gradients(batch.select(j), params)
             sq_norms[index] = (rank_sq_norm or sum_sq_norm)(params, grads)
             reward_coef, baseline_coef = float(reward_coefs[index]), float(baseline_coefs[index])
             for param, grad in zip(params, grads, strict=True):

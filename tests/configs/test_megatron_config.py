@@ -35,6 +35,9 @@ def test_a_megatron_layout_with_pipeline_stages_and_context_parallelism_validate
      "set tensor_model_parallel_size ≥ 2"),
     ({"sequence_parallel": True, "tensor_model_parallel_size": 2},
      "needs transformer_impl='transformer_engine'"),
+    ({"recompute_method": "block"}, "recompute_method='block' applies to recompute_granularity='full' only"),
+    ({"recompute_granularity": "selective", "recompute_num_layers": 2},
+     "recompute_num_layers applies to recompute_granularity='full' only"),
 ])
 def test_unsupported_megatron_layouts_name_the_field_and_the_fix(fields: dict, fix: str) -> None:
     with pytest.raises(ValidationError, match=fix):
@@ -56,3 +59,12 @@ def test_bf16_autocast_needs_fp32_weights_and_the_torch_learner(fields: dict, fi
     with pytest.raises(ValidationError, match=fix):
         RunConfig.model_validate(fields)
     assert RunConfig.model_validate({"learner": {"autocast": "bfloat16"}}).learner.autocast == "bfloat16"
+
+
+def test_megatron_recompute_validates_and_hf_gradient_checkpointing_is_pointed_to_it() -> None:
+    megatron = MegatronConfig.model_validate({"recompute_granularity": "full", "recompute_method": "block",
+                                              "recompute_num_layers": 2})
+    assert (megatron.recompute_method, megatron.recompute_num_layers) == ("block", 2)
+    with pytest.raises(ValidationError, match=r"learner\.megatron\.recompute_granularity='full'"):
+        RunConfig.model_validate({"model": {"gradient_checkpointing": True},
+                                  "learner": {"backend": "megatron"}})

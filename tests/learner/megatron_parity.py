@@ -31,10 +31,14 @@ ALGOS = {
     "vcpo_reference": {"objective": {"type": "vcpo", "is_cap": 2.0, "opob": {"form": "reference"}},
                        "group_size": 3},
 }
+PER_TRAJECTORY = {"vcpo_per_trajectory": {"objective": {"type": "vcpo", "is_cap": 2.0,
+                                                        "opob": {"grad_norm_path": "per_trajectory"}},
+                                          "group_size": 3}}
+"""VCPO on the per-trajectory norm path: the fast path's reference on the same layout."""
 
 
 def algo(name: str) -> AlgoConfig:
-    return AlgoConfig.model_validate(ALGOS[name])
+    return AlgoConfig.model_validate({**ALGOS, **PER_TRAJECTORY}[name])
 
 
 def write_checkpoint(kind: str, out_dir: Path, layers: int = 2) -> Path:

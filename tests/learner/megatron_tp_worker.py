@@ -8,7 +8,11 @@ and every rank's partial sums, the weights after the step (HF names, shards gath
 its embedding (or output layer) shard shape, its layer count, its weights and its ‖∇ℓ_i‖².
 
     python -m torch.distributed.run --nproc_per_node 2 tests/learner/megatron_tp_worker.py HF_DIR KIND OUT \
-        [--cuda-sequence-parallel | --layout=TP,PP,CP]
+        [--cuda-sequence-parallel | --layout=TP,PP,CP] [--recompute=full|selective] [--per-trajectory]
+
+`--recompute`: megatron's activation recompute ('full': every layer, one at a time); `--per-trajectory`:
+also VCPO on the per-trajectory norm path ('vcpo_per_trajectory'), the fast path's reference on the same
+layout.
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ def _partial_sq_norms(learner: object) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     reduce = learner._sum_over_shards  # type: ignore[attr-defined]
 
-    def spy(partial: torch.Tensor) -> torch.Tensor:
+    def spy(partial: torch.Tensor, *args: object) -> torch.Tensor:
         seen.append(partial.clone())
-        return reduce(partial)
+        return reduce(partial, *args)
 
     learner._sum_over_shards = spy  # type: ignore[attr-defined]
     return seen
@@ -48,8 +52,13 @@ def main(hf_dir: str, kind: str, out: str, *flags: str) -> None:
     layout = next((flag.removeprefix("--layout=") for flag in flags if flag.startswith("--layout=")),
                   f"{world},1,1")
     tp, pp, cp = (int(size) for size in layout.split(","))  # the rest of the world is data-parallel
+    recompute = next((flag.removeprefix("--recompute=") for flag in flags if flag.startswith("--recompute=")),
+                     None)
     megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              context_parallel_size=cp)
+                              context_parallel_size=cp, recompute_granularity=recompute)
+    runs = [("grpo", False), ("vcpo", True), ("vcpo_reference", False)]
+    if "--per-trajectory" in flags:
+        runs.append(("vcpo_per_trajectory", False))
     device = torch.device("cpu")
     if on_gpu:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -65,7 +74,7 @@ def main(hf_dir: str, kind: str, out: str, *flags: str) -> None:
         layers = AutoConfig.from_pretrained(hf_dir).num_hidden_layers
         batch = megatron_parity.parity_batch(kind, layers=layers)
         results = {}
-        for name, use_distributed_optimizer in (("grpo", False), ("vcpo", True), ("vcpo_reference", False)):
+        for name, use_distributed_optimizer in runs:
             config = megatron.model_copy(update={"use_distributed_optimizer": use_distributed_optimizer})
             learner = MegatronLearner(hf_dir, megatron_parity.algo(name), megatron_parity.OPTIM, config,
                                       micro_batch_tokens=megatron_parity.MICRO_BATCH_TOKENS, device=device)

@@ -30,6 +30,9 @@ from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
 
+from learner.forward.packing import PackedMicroBatch
+from learner.traj_grads.split_rows import SplitRows, shared_trajectories
+
 
 def context_chunk(length: int) -> tuple[int, int, int]:
     """(padded length, start, end) of this CP rank's chunk of a row of `length` tokens."""
@@ -38,6 +41,23 @@ def context_chunk(length: int) -> tuple[int, int, int]:
     size = padded // ranks
     start = parallel_state.get_context_parallel_rank() * size
     return padded, start, start + size
+
+
+def split_rows(batch: PackedMicroBatch) -> SplitRows:
+    """This CP rank's share of `batch` for VCPO's per-trajectory norm hooks: its chunk of the packed row, the
+    target positions inside it (the rows `MegatronCausalLM` computes logits of here), the trajectories that
+    cross a chunk boundary, and the CP group's sum."""
+    _, start, end = context_chunk(batch.num_tokens)
+    targets = batch.target_positions
+    first, last = int((targets < start).sum()), int((targets < end).sum())
+    group = parallel_state.get_context_parallel_group()
+
+    def reduce(tensor: Tensor) -> None:
+        dist.all_reduce(tensor, group=group)
+
+    return SplitRows(tokens=(start, end), targets=(first, last),
+                     shared=shared_trajectories(batch.seq_lengths, end - start), reduce=reduce,
+                     counts_shared=parallel_state.get_context_parallel_rank() == 0)
 
 
 def chunk_causal_mask(position_ids: Tensor, start: int, end: int) -> Tensor:

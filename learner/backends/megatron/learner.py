@@ -8,10 +8,11 @@ and backward pass through every stage, with context parallelism each rank runs a
 and either way each rank runs the same step on its own layers and tokens. What
 differs on sharded parameters is swapped in here:
 
-* VCPO's per-trajectory norms: without pipeline, context or sequence parallelism (local layers) the
-  fast packed path, one forward and backward per micro-batch with megatron's layers hooked
-  (learner/backends/megatron/packed_grads.py), each TP rank's norms those of its shards, summed over TP
-  in the baseline callback; otherwise `accumulate_opob_grad_per_trajectory` on this rank's shards
+* VCPO's per-trajectory norms: with local layers and no sequence parallelism the fast packed path, one
+  forward and backward per micro-batch with megatron's layers hooked — recomputed layers included
+  (learner/backends/megatron/packed_grads.py), each rank's norms those of its shards, stage and chunk of
+  the rows, summed over TP × PP (and CP) in the baseline callback; otherwise
+  `accumulate_opob_grad_per_trajectory` on this rank's shards
   (`_rank_sq_norm`: a replicated parameter — the RMSNorm weights — counted on TP rank 0 only, summed
   over TP first where sequence parallelism splits its gradient; a tied embedding's two pipeline copies
   summed, then counted once), then all-reduced over the model-parallel group (TP × PP) — inside the
@@ -33,7 +34,8 @@ differs on sharded parameters is swapped in here:
 Every model-parallel rank must call `step`, `named_weights`, `state_dict` and `save_pretrained` with
 the same arguments in the same order (they communicate). Not supported (clear errors at
 construction): context parallelism with TransformerEngine layers (see `MegatronConfig`), objectives
-needing a reference model (KL, TBA), entropy bonuses, activation recomputation, float16.
+needing a reference model (KL, TBA), entropy bonuses, float16. Activation recompute is megatron's own
+(`MegatronConfig.recompute_granularity`), not `model.gradient_checkpointing`.
 `state_dict` holds this rank's shards under megatron names: a checkpoint resumes on the same parallel
 layout only.
 """
@@ -57,6 +59,7 @@ from learner.backends.megatron.model import MegatronCausalLM, export_hf_weights,
 from learner.backends.megatron.packed_grads import MegatronPackedGradHooks, fast_path_problem
 from learner.backends.torch_learner import TorchLearner, lr_at
 from learner.distributed.data_parallel import DataParallel
+from learner.forward.logprobs import packed_target_logprobs, trajectory_logliks
 from learner.forward.packing import PackedMicroBatch
 from learner.traj_grads.opob_grad import BaselineFn, accumulate_opob_grad_per_trajectory, squared_sum
 from rollout.types import DEFAULT_TEMPERATURE
@@ -163,24 +166,55 @@ class MegatronLearner(TorchLearner):
 
     @property
     def reuses_gradient_forward(self) -> bool:
-        """As the torch learner's, on the fast norm path with one tensor-parallel rank only: the
-        per-trajectory path has no packed forward whose log-probs it could keep, and the reusing pass does
-        not sum the shards' norms."""
-        return (self.fast_norms and self.megatron_config.tensor_model_parallel_size == 1
-                and super().reuses_gradient_forward)
+        """As the torch learner's, on the fast norm path with the model on one rank only (TP = PP = CP = 1):
+        the per-trajectory path has no packed forward whose log-probs it could keep, and the reusing pass
+        does not sum the ranks' norms."""
+        megatron = self.megatron_config
+        one_rank = (megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
+                    megatron.context_parallel_size) == (1, 1, 1)
+        return self.fast_norms and one_rank and super().reuses_gradient_forward
 
     def _accumulate_opob(self, microbatches: list[PackedMicroBatch], reward_coefs: Tensor,
                          baseline_coefs: Tensor, baseline_fn: BaselineFn) -> Tensor:
-        def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
-            return baseline_fn(group, members, self._sum_over_shards(sq_norms))
+        # the fast path's norms: this rank's shards of its stage's layers and of its chunk of the rows,
+        # summed over TP × PP (and CP); the per-trajectory path's are whole over CP already
+        over_context = self.fast_norms and self.megatron_config.context_parallel_size > 1
 
-        if self.fast_norms:  # this rank's shards of whole layers, summed over the TP ranks
+        def baseline(group: int, members: Tensor, sq_norms: Tensor) -> float:
+            return baseline_fn(group, members, self._sum_over_shards(sq_norms, over_context))
+
+        if self.fast_norms:
             return self._sum_over_shards(
-                super()._accumulate_opob(microbatches, reward_coefs, baseline_coefs, baseline))
+                super()._accumulate_opob(microbatches, reward_coefs, baseline_coefs, baseline), over_context)
+        recomputes = self.megatron_config.recompute_granularity is not None
+        if recomputes:
+            self._check_main_grads_empty()
         result = accumulate_opob_grad_per_trajectory(
             self.model, microbatches, reward_coefs, baseline_coefs, baseline, rank_sq_norm=self._rank_sq_norm,
-            temperature=self.temperature)
+            temperature=self.temperature, trajectory_grads=self._grads_by_backward if recomputes else None)
         return self._sum_over_shards(result.sq_norms)
+
+    def _grads_by_backward(self, single: PackedMicroBatch, params: list[nn.Parameter]) -> list[Tensor]:
+        """One trajectory's `∇ℓ` by `backward()`, for the per-trajectory path under activation recompute:
+        megatron's recompute is a reentrant checkpoint, which `torch.autograd.grad` cannot run through.
+        megatron's DDP hooks move each gradient into its parameter's `main_grad` buffer (fp32), read here
+        and zeroed — it holds nothing else during this pass (`_check_main_grads_empty`)."""
+        if single.target_positions.numel() == 0:
+            return [torch.zeros_like(p) for p in params]
+        with torch.enable_grad():
+            logprobs = packed_target_logprobs(self.model, single, temperature=self.temperature)
+            trajectory_logliks(logprobs, single)[0].backward()
+        grads = []
+        for param in params:
+            grads.append(param.main_grad.clone())
+            param.main_grad.zero_()
+        return grads
+
+    def _check_main_grads_empty(self) -> None:
+        if any(bool(param.main_grad.any()) for param in self.model.parameters() if param.requires_grad):
+            raise RuntimeError("megatron's gradient buffers hold gradients before VCPO's per-trajectory "
+                               "pass, which reads each trajectory's gradient from them under activation "
+                               "recompute")
 
     def _rank_sq_norm(self, params: Sequence[nn.Parameter], grads: Sequence[Tensor]) -> Tensor:
         """This rank's share of one trajectory's ‖g_i‖², such that the shares of the model-parallel ranks
@@ -237,14 +271,17 @@ class MegatronLearner(TorchLearner):
             return None
         return gpt.shared_embedding_or_output_weight()
 
-    def _sum_over_shards(self, partial: Tensor) -> Tensor:
-        """Σ over the model-parallel ranks of per-shard partial sums (each parameter counted once)."""
+    def _sum_over_shards(self, partial: Tensor, over_context: bool = False) -> Tensor:
+        """Σ over the model-parallel ranks of per-shard partial sums (each parameter counted once); with
+        `over_context`, over the context-parallel ranks too (each holding part of the rows)."""
         from megatron.core import parallel_state
 
         total = partial.clone()
         group = parallel_state.get_model_parallel_group()
         if dist.get_world_size(group) > 1:  # one rank (TP = PP = 1): nothing to add
             dist.all_reduce(total, group=group)
+        if over_context:
+            dist.all_reduce(total, group=parallel_state.get_context_parallel_group())
         return total
 
     def _finish(self, lr_scale: float) -> float:
@@ -329,9 +366,6 @@ def build_megatron_learner(config: RunConfig, task: TaskConfig, cache_dir: Path)
         problems.append("learner.backend='megatron' needs CUDA devices (megatron-core hard-codes torch.cuda: "
                         "device placement, RNG, its optimizer's checks); on a CPU machine use "
                         "learner.backend='torch'")
-    if config.model.gradient_checkpointing:
-        problems.append("model.gradient_checkpointing=true is not supported by the megatron learner (its "
-                        "recomputation would break the per-trajectory gradients); set it to false")
     if problems:
         raise ValueError("; ".join(problems))
     if config.learner.device in ("auto", "cuda"):  # torchrun: one GPU per local rank (Ray: one per actor)

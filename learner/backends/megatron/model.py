@@ -133,7 +133,8 @@ def load_megatron_gpt(hf_dir: str | Path, megatron: MegatronConfig, dtype: torch
         sequence_parallel=megatron.sequence_parallel, use_cpu_initialization=device.type == "cpu",
         attention_dropout=0.0, hidden_dropout=0.0,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False)
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        **recompute_args(megatron))
     if uses_te:
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     else:
@@ -160,6 +161,17 @@ def load_megatron_gpt(hf_dir: str | Path, megatron: MegatronConfig, dtype: torch
     gpt.to(device)
     bridge.load_weights([gpt], str(hf_dir))
     return MegatronGPT(gpt, bridge, hf_config, uses_te)
+
+
+def recompute_args(megatron: MegatronConfig) -> dict[str, Any]:
+    """megatron's `TransformerConfig` fields for `MegatronConfig`'s activation recompute ('selective': the
+    core attention alone, megatron's default `recompute_modules`)."""
+    if megatron.recompute_granularity is None:
+        return {}
+    if megatron.recompute_granularity == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    return {"recompute_granularity": "full", "recompute_method": megatron.recompute_method,
+            "recompute_num_layers": megatron.recompute_num_layers}
 
 
 def export_hf_weights(model: MegatronGPT) -> Iterator[tuple[str, Tensor]]:
@@ -226,9 +238,10 @@ class MegatronCausalLM(nn.Module):
         """The (K, H) → (K, V/TP) product with the output weight, as a module so per-trajectory gradient
         hooks see its input and output gradient (it owns no parameter)."""
 
-    def get_input_embeddings(self) -> nn.Module:
-        """The word embedding (HF's accessor): a `VocabParallelEmbedding` on the first pipeline stage."""
-        return self.gpt.embedding.word_embeddings
+    def get_input_embeddings(self) -> nn.Module | None:
+        """The word embedding (HF's accessor): a `VocabParallelEmbedding` on the first pipeline stage, None on
+        the others (they hold none)."""
+        return self.gpt.embedding.word_embeddings if self.gpt.pre_process else None
 
     def forward(self, input_ids: Tensor | None = None, position_ids: Tensor | None = None,
                 use_cache: bool = False, logits_to_keep: Tensor | None = None,
@@ -236,7 +249,7 @@ class MegatronCausalLM(nn.Module):
         """`input_ids`, `position_ids`: (1, N) one packed row; `logits_to_keep`: (K,) long positions
         (None: all N). `use_cache` must be False (training has no KV cache). `inputs_embeds`: (1, N, H) word
         embeddings of the row to start from instead of `input_ids` (the per-trajectory gradient hooks start
-        the graph there); one stage, no sequence or context split."""
+        the graph there) — on the first pipeline stage only, no sequence parallelism."""
         if (inputs_embeds is None) == (input_ids is None) or position_ids is None:
             raise ValueError("MegatronCausalLM takes position_ids and one of input_ids or inputs_embeds")
         rows = inputs_embeds if input_ids is None else input_ids
@@ -247,10 +260,7 @@ class MegatronCausalLM(nn.Module):
                      else torch.arange(length, device=rows.device))
         if not isinstance(positions, Tensor):
             raise TypeError("logits_to_keep must be a tensor of positions (an int 'last k' is not supported)")
-        if inputs_embeds is not None:
-            hidden = self._decode_embedded(inputs_embeds, position_ids)
-        else:
-            hidden = self._decode(input_ids, position_ids)
+        hidden = self._decode(input_ids, position_ids, inputs_embeds)
         if not self.gpt.post_process:  # (N, 1, H) [N/TP with SP, N/CP with CP] for the next stage
             shape = (positions.numel(), self.gpt.vocab_size)
             return CausalLMOutput(_SendToNextStage.apply(hidden, shape).unsqueeze(0))
@@ -279,23 +289,37 @@ class MegatronCausalLM(nn.Module):
     def _anchor(self) -> Tensor:
         """A parameter of this stage: the input of the pipeline's autograd functions, so that autograd —
         `torch.autograd.grad` over the parameters included — runs their backward (which communicates) on
-        every stage. They give it no gradient."""
-        return next(p for p in self.gpt.parameters() if p.requires_grad)
+        every stage. They give it no gradient. With every parameter frozen (the fast norm path's pass, whose
+        hooks build the weight gradients) a scalar leaf that requires grad plays that part."""
+        trainable = next((p for p in self.gpt.parameters() if p.requires_grad), None)
+        if trainable is not None:
+            return trainable
+        return torch.zeros((), device=next(self.gpt.parameters()).device, requires_grad=True)
 
-    def _decode(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+    def _decode(self, input_ids: Tensor | None, position_ids: Tensor, inputs_embeds: Tensor | None = None
+                ) -> Tensor:
         """This stage's decoder output: the final hidden states (N, 1, H) on the last stage, the hidden
         states for the next stage (N, 1, H) [N/TP with SP] on the others. With context parallelism, the
-        same for this CP rank's chunk of the row (N/CP rows, the row padded to a multiple of CP)."""
+        same for this CP rank's chunk of the row (N/CP rows, the row padded to a multiple of CP).
+        `inputs_embeds` (1, N, H), the word embeddings of the whole row, in place of `input_ids` on the first
+        stage: what megatron's embedding does after its lookup follows (to (N, 1, H); no position embedding
+        with RoPE, no dropout here); its pad token's rows get their zero gradient from whoever built it."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
         gpt, config = self.gpt, self.gpt.config
-        length = input_ids.shape[1]
+        if inputs_embeds is not None and (not gpt.pre_process or config.sequence_parallel):
+            raise ValueError("inputs_embeds needs the first pipeline stage (it holds the embedding; the "
+                             "others take input_ids) and no sequence parallelism")
+        length = position_ids.shape[1]
         # the sequence is split over TP ranks (SP) or CP ranks: pad it with a dummy trajectory
         split = (config.tensor_model_parallel_size if config.sequence_parallel
                  else config.context_parallel_size)
         if split > 1:
             pad = -length % split
-            input_ids = F.pad(input_ids, (0, pad))
+            if inputs_embeds is None:
+                input_ids = F.pad(input_ids, (0, pad))
+            else:
+                inputs_embeds = F.pad(inputs_embeds, (0, 0, 0, pad))
             dummy_positions = torch.arange(pad, device=position_ids.device)[None]
             position_ids = torch.cat([position_ids, dummy_positions], dim=1)
         if config.context_parallel_size > 1:  # this rank's chunk, attending to the whole row (gathered K/V)
@@ -303,14 +327,22 @@ class MegatronCausalLM(nn.Module):
 
             _, start, end = context_chunk(length)
             mask: Tensor | None = chunk_causal_mask(position_ids, start, end)
-            input_ids, position_ids = input_ids[:, start:end], position_ids[:, start:end]
+            position_ids = position_ids[:, start:end]
+            if inputs_embeds is None:
+                input_ids = input_ids[:, start:end]
+            else:
+                inputs_embeds = inputs_embeds[:, start:end]
         else:
             mask = None if self.uses_transformer_engine else packed_causal_mask(position_ids)
-        if gpt.pre_process:
+        if inputs_embeds is not None:
+            hidden = inputs_embeds.transpose(0, 1).contiguous()
+            if config.fp32_residual_connection:
+                hidden = hidden.float()
+        elif gpt.pre_process:
             hidden = self._embed(input_ids, position_ids)  # (N, 1, H) [N/TP with SP]
         else:
             shards = config.tensor_model_parallel_size if config.sequence_parallel else 1
-            shape = (input_ids.shape[1] // shards, 1, config.hidden_size)
+            shape = (position_ids.shape[1] // shards, 1, config.hidden_size)
             received = _ReceiveFromPreviousStage.apply(self._anchor(), shape, config.params_dtype)
             gpt.decoder.set_input_tensor(received)
             hidden = None  # the decoder reads its input tensor
@@ -322,21 +354,6 @@ class MegatronCausalLM(nn.Module):
             # keeps this rank's slice (no reduction)
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return hidden[:length]
-
-    def _decode_embedded(self, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
-        """`_decode` from the word embeddings (1, N, H) of a whole row on a single stage: what megatron's
-        embedding does after its lookup (to (N, 1, H); no position embedding with RoPE, no dropout here),
-        then the decoder. The pad token's row gets its zero gradient from whoever built `inputs_embeds`."""
-        config = self.gpt.config
-        if not (self.gpt.pre_process and self.gpt.post_process) or config.sequence_parallel or (
-                config.context_parallel_size > 1):
-            raise ValueError("inputs_embeds needs the whole model on one stage and no sequence or context "
-                             "parallelism (the row is not split)")
-        hidden = inputs_embeds.transpose(0, 1).contiguous()
-        if config.fp32_residual_connection:
-            hidden = hidden.float()
-        mask = None if self.uses_transformer_engine else packed_causal_mask(position_ids)
-        return self._run_decoder(hidden, position_ids, mask)
 
     def _embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """The embedding lookup, with no gradient into the pad token's row (HF's padding_idx)."""

@@ -2,8 +2,9 @@
 VCPO's per-trajectory squared gradient norms and the weights after one optimizer step (compared in HF
 names through mbridge's export) — in process at TP = 1, and at TP = 2, DP = 2, PP = 2 and 3, CP = 2,
 PP × CP = 2 × 2 and TP × PP = 2 × 2 under torchrun, all on the CPU with gloo and the test-only CUDA shim
-(tests/learner/megatron_cpu.py). At TP = 1 VCPO's norms take the fast packed path (megatron's layers hooked),
-checked against the per-trajectory path the split layouts take.
+(tests/learner/megatron_cpu.py). VCPO's norms take the fast packed path (megatron's layers hooked) on every
+one of these layouts and under activation recompute, checked against the per-trajectory path on the same
+layout.
 
 Tolerances (fp32 throughout; measured maxima on this machine in brackets): logits 1e-5 absolute
 [2e-7]; metrics 1e-5 relative [2e-6]; ‖∇ℓ_i‖² 1e-5 relative [3e-7]; weights after one Adam step at
@@ -173,6 +174,91 @@ def test_vcpo_on_whole_layers_takes_the_fast_norm_path_with_the_per_trajectory_p
     _assert_same_step(got, want)
 
 
+RECOMPUTE = {
+    "full": ({"recompute_granularity": "full"}, 2),
+    "full_chunk_of_2": ({"recompute_granularity": "full", "recompute_num_layers": 2}, 2),
+    "block_1": ({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}, 1),
+    "selective": ({"recompute_granularity": "selective"}, 0),
+}
+"""megatron's recompute settings, with how many of the 2 layers' forwards the backward runs again."""
+
+
+@pytest.mark.parametrize("setting", list(RECOMPUTE))
+def test_under_activation_recompute_the_fast_norm_path_takes_the_step_without_recompute(
+        megatron_world: None, checkpoints: dict[str, Path], setting: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron's recompute ('full': whole layers, one by one, two per chunk, or the first only; 'selective':
+    the core attention, which owns no parameter): VCPO stays on the fast norm path, its hooks take a
+    recomputed layer's input in the recompute — once per layer — and the step is the one the per-trajectory
+    path takes without recompute — and with it: the same ‖∇ℓ_i‖², metrics and weights (qwen2: its qkv bias
+    too). The
+    layers really are recomputed: the hooks' own count of forwards says so (a handler whose layer was
+    marked recomputed but not recomputed, or the reverse, raises)."""
+    from learner.backends.megatron.packed_grads import MegatronPackedGradHooks
+
+    megatron, layers_recomputed = RECOMPUTE[setting]
+    marked: list[int] = []
+    recomputed = MegatronPackedGradHooks._recomputed_modules
+
+    def spy(hooks: MegatronPackedGradHooks) -> set[int]:
+        found = recomputed(hooks)
+        layers = hooks.model.gpt.decoder.layers
+        marked.append(sum(id(layer.self_attention.linear_qkv) in found for layer in layers))
+        return found
+
+    monkeypatch.setattr(MegatronPackedGradHooks, "_recomputed_modules", spy)
+    forwards = _count_layer_forwards(monkeypatch)
+    batch = megatron_parity.parity_batch("qwen2")
+    fast = _megatron_learner(checkpoints["qwen2"], "vcpo", **megatron)
+    assert fast.fast_norms
+    got = _step(fast, batch)
+    assert marked and set(marked) == {layers_recomputed}
+    in_backward = forwards["backward"]
+    assert in_backward == (layers_recomputed * forwards["micro_batches"] if layers_recomputed else 0)
+    want = _step(_megatron_learner(checkpoints["qwen2"], "vcpo", grad_norm_path="per_trajectory"), batch)
+    assert got.metrics["grad/norm"] > 0.1
+    _assert_same_step(got, want)
+    # the per-trajectory path under the same recompute (each trajectory's gradient through backward(), which
+    # megatron's reentrant checkpoint allows and autograd.grad does not): the same step again
+    per_trajectory = _megatron_learner(checkpoints["qwen2"], "vcpo", grad_norm_path="per_trajectory",
+                                       **megatron)
+    _assert_same_step(_step(per_trajectory, batch), want)
+
+
+def test_under_full_recompute_grpo_takes_the_step_without_recompute(megatron_world: None,
+                                                                    checkpoints: dict[str, Path]) -> None:
+    batch = megatron_parity.parity_batch("llama_tied")
+    got = _step(_megatron_learner(checkpoints["llama_tied"], "grpo", recompute_granularity="full"), batch)
+    want = _step(_megatron_learner(checkpoints["llama_tied"], "grpo"), batch)
+    _assert_same_step(got, want)
+
+
+def _count_layer_forwards(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of the first layer's attention projection (`linear_qkv`) forwards that ran inside a backward
+    (a recompute) — summed over layers — and of VCPO's packed micro-batches with targets."""
+    from learner.backends.megatron.packed_grads import MegatronPackedGradHooks
+    from learner.traj_grads.handlers import _in_backward
+
+    counts = {"backward": 0, "micro_batches": 0}
+    enter, backward = MegatronPackedGradHooks.__enter__, MegatronPackedGradHooks.backward
+
+    def count(module: object, args: object, output: object) -> None:
+        counts["backward"] += int(_in_backward())
+
+    def entered(hooks: MegatronPackedGradHooks) -> MegatronPackedGradHooks:
+        for layer in hooks.model.gpt.decoder.layers:
+            hooks._handles.append(layer.self_attention.linear_qkv.register_forward_hook(count))
+        return enter(hooks)
+
+    def counted_backward(hooks: MegatronPackedGradHooks, state: object, *args: object) -> None:
+        counts["micro_batches"] += int(state.batch.target_positions.numel() > 0)  # type: ignore[attr-defined]
+        backward(hooks, state, *args)
+
+    monkeypatch.setattr(MegatronPackedGradHooks, "__enter__", entered)
+    monkeypatch.setattr(MegatronPackedGradHooks, "backward", counted_backward)
+    return counts
+
+
 def test_in_bf16_the_fast_norm_path_gives_the_per_trajectory_norms_to_bf16_rounding(
         megatron_world: None, checkpoints: dict[str, Path]) -> None:
     """bf16 weights (no autocast): both paths round differently (the fast one's Gram products, the other's
@@ -334,23 +420,33 @@ def test_data_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints: d
         _assert_same_step(megatron_parity.StepRecord(metrics, sq_norms, got["weights"]), want)
 
 
-@pytest.mark.parametrize(("kind", "stages"), [("llama_tied", 2), ("qwen2", 2), ("llama_tied", 3)])
+@pytest.mark.parametrize(("kind", "stages", "recompute"), [
+    ("llama_tied", 2, None), ("qwen2", 2, "full"), ("llama_tied", 3, None)])
 def test_pipeline_parallel_under_torchrun_matches_the_torch_learner(checkpoints: dict[str, Path], kind: str,
-                                                                   stages: int, tmp_path: Path) -> None:
+                                                                   stages: int, recompute: str | None,
+                                                                   tmp_path: Path) -> None:
     """PP = 2 and 3 (one layer per stage; 3 has a middle stage that both receives and sends): hidden
     states and their gradients sent between the stages, logits broadcast from the last. Every rank takes
-    the torch learner's step; VCPO's ‖∇ℓ_i‖² is the sum of the stages' partial sums. Tied (llama_tied):
-    the last stage's copy of the embedding gets the output layer's gradient, the two copies' gradients
-    are summed into the update and, before squaring, into the norm. Counting the copies apart in the
-    norm, or leaving their gradients unsummed, fails this test (both tried)."""
+    the torch learner's step; VCPO's ‖∇ℓ_i‖² — on the fast path, each stage's hooks on its own layers — is
+    the sum of the stages' partial sums and equals the per-trajectory path's on the same layout. Tied
+    (llama_tied): the last stage's copy of the embedding gets the output layer's gradient, the two copies'
+    gradients are summed into the update and, before squaring, into the norm — on the fast path through the
+    cross term, the last stage's rows sent to the first. Counting the copies apart in the norm (the fast
+    path without the cross term included), or leaving their gradients unsummed, fails this test (tried).
+    Qwen2 runs with megatron's full activation recompute: each stage's hooks take their layer's input in the
+    recompute."""
     _needs_megatron()
     hf_dir = (checkpoints[kind] if stages == 2
               else megatron_parity.write_checkpoint(kind, tmp_path / f"{kind}-{stages}", layers=stages))
+    flags = ["--per-trajectory"] + ([f"--recompute={recompute}"] if recompute else [])
     results = megatron_parity.run_tp_worker(
-        [str(hf_dir), kind, str(tmp_path / "pp.pt"), f"--layout=1,{stages},1"], timeout=300,
+        [str(hf_dir), kind, str(tmp_path / "pp.pt"), f"--layout=1,{stages},1", *flags], timeout=300,
         env={"OMP_NUM_THREADS": "1"}, ranks=stages)
     batch = megatron_parity.parity_batch(kind, layers=stages)
-    for name in ("grpo", "vcpo"):
+    assert results["vcpo"]["fast_norms"] and not results["vcpo_per_trajectory"]["fast_norms"]
+    torch.testing.assert_close(results["vcpo"]["sq_norms"], results["vcpo_per_trajectory"]["sq_norms"],
+                               rtol=NORM_RTOL, atol=0)
+    for name in ("grpo", "vcpo", "vcpo_per_trajectory"):
         got = results[name]
         assert got["layers"] == [1] * stages  # the layers split over the stages
         # the embedding on the first stage, the output layer on the last, neither in between
@@ -370,13 +466,21 @@ def test_context_parallel_2_under_torchrun_matches_the_torch_learner(checkpoints
     """CP = 2: each rank runs half of every packed row (padded to even length), attention gathers the
     keys and values of the whole row, the halves' target logits are gathered. The ranks' partial
     gradients summed (DDP over the data × context group) give the torch learner's update; VCPO's
-    ‖∇ℓ_i‖² is of the summed per-trajectory gradient — the same on both ranks, not a sum of two shares."""
+    ‖∇ℓ_i‖² is of the summed per-trajectory gradient — the same on both ranks, not a sum of two shares.
+    On the fast path each rank's hooks see its half; the trajectories that cross the middle of a row
+    (the batch has some, and some that do not) have their partial gradients summed over the ranks before
+    the norm — equal to the per-trajectory path's norms on the same layout (summing the ranks' squares
+    instead misses them by up to 3%: tried)."""
     _needs_megatron()
     results = megatron_parity.run_tp_worker(
-        [str(checkpoints[kind]), kind, str(tmp_path / "cp2.pt"), "--layout=1,1,2"], timeout=300,
-        env={"OMP_NUM_THREADS": "1"})
+        [str(checkpoints[kind]), kind, str(tmp_path / "cp2.pt"), "--layout=1,1,2", "--per-trajectory"],
+        timeout=300, env={"OMP_NUM_THREADS": "1"})
     batch = megatron_parity.parity_batch(kind)
-    for name in ("grpo", "vcpo"):
+    assert _crossing_counts(kind, batch, ranks=2) == (True, True)
+    assert results["vcpo"]["fast_norms"] and not results["vcpo_per_trajectory"]["fast_norms"]
+    torch.testing.assert_close(results["vcpo"]["sq_norms"], results["vcpo_per_trajectory"]["sq_norms"],
+                               rtol=NORM_RTOL, atol=0)
+    for name in ("grpo", "vcpo", "vcpo_per_trajectory"):
         got = results[name]
         assert got["shards"] == [(160, 48), (160, 48)]  # CP keeps every weight whole on every rank
         assert all(torch.equal(rank[key], weight) for rank in got["rank_weights"]
@@ -392,17 +496,35 @@ def test_combined_layouts_with_tied_weights_match_the_torch_learner(checkpoints:
                                                                     tmp_path: Path) -> None:
     """4 ranks, TP,PP,CP = 1,2,2: each stage's chunk goes to the same CP rank of the next stage, the tied
     embedding's copies summed after the CP sum; 2,2,1: the vocabulary shards of the embedding and of the
-    last stage's copy of it pair up rank by rank."""
+    last stage's copy of it pair up rank by rank. Both on VCPO's fast norm path too — each last stage
+    sends its rows for the tied cross term to the first stage of its own TP and CP rank — with the
+    per-trajectory path's norms on the same layout."""
     _needs_megatron()
     results = megatron_parity.run_tp_worker(
-        [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "combined.pt"), f"--layout={layout}"],
-        timeout=300, env={"OMP_NUM_THREADS": "1"}, ranks=4)
+        [str(checkpoints["llama_tied"]), "llama_tied", str(tmp_path / "combined.pt"), f"--layout={layout}",
+         "--per-trajectory"], timeout=300, env={"OMP_NUM_THREADS": "1"}, ranks=4)
     batch = megatron_parity.parity_batch("llama_tied")
-    assert not results["vcpo"]["fast_norms"]  # pipeline stages: the per-trajectory path
+    assert results["vcpo"]["fast_norms"] and not results["vcpo_per_trajectory"]["fast_norms"]
+    torch.testing.assert_close(results["vcpo"]["sq_norms"], results["vcpo_per_trajectory"]["sq_norms"],
+                               rtol=NORM_RTOL, atol=0)
     for name in ("grpo", "vcpo"):
         got = results[name]
         want = megatron_parity.run_step(megatron_parity.torch_learner("llama_tied", name), batch)
         _assert_same_step(megatron_parity.StepRecord(got["metrics"], got["sq_norms"], got["weights"]), want)
+
+
+def _crossing_counts(kind: str, batch: StepInput, ranks: int) -> tuple[bool, bool]:
+    """Whether the torch learner's packing of `batch` has trajectories that cross a boundary of `ranks`
+    contiguous chunks of their row, and trajectories that do not."""
+    from learner.traj_grads.split_rows import shared_trajectories
+
+    learner = megatron_parity.torch_learner(kind, "vcpo")
+    crossing = inside = False
+    for mb in learner._pack(learner._tokens(batch)):
+        shared = shared_trajectories(mb.seq_lengths, -(-mb.num_tokens // ranks))
+        crossing |= bool(shared)
+        inside |= len(shared) < mb.num_trajectories
+    return crossing, inside
 
 
 def _replicated_share(kind: str, batch: StepInput) -> torch.Tensor:
