@@ -179,9 +179,8 @@ def _build(backend: str, hf_dir: Path, device: str, algo: AlgoConfig, dtype: tor
                             autocast_dtype=autocast, proximal=proximal, share_prompts=share_prompts,
                             fused_elementwise=fused_elementwise, logits_chunk_mib=logits_chunk_mib,
                             lora=lora)
-    if recompute:
-        raise ValueError("recompute: the megatron learner refuses model.gradient_checkpointing (its own "
-                         "recompute_granularity is not wired to VCPO's norms yet)")
+    if recompute and megatron.recompute_granularity is None:  # HF's gradient checkpointing: every layer
+        megatron = megatron.model_copy(update={"recompute_granularity": "full"})
     if not device.startswith("cuda"):
         raise ValueError("the megatron learner benchmark needs CUDA (megatron-core hard-codes torch.cuda); "
                          "use device='cuda' or backend='torch'")
@@ -216,7 +215,8 @@ def bench_learner(backend: str, *, device: str = "cpu",
 
     `peak_memory_mib`: CUDA peak allocated bytes on GPUs; on CPU the process's peak RSS (includes
     everything the process ever held, e.g. the checkpoint written at the start). `recompute`: activation
-    recompute (`model.gradient_checkpointing`); `logits_chunk_mib`: `learner.logits_chunk_mib`; `hf_dir`:
+    recompute (`model.gradient_checkpointing`; on megatron its 'full' recompute of every layer unless
+    `megatron` sets its own); `logits_chunk_mib`: `learner.logits_chunk_mib`; `hf_dir`:
     a random checkpoint written already (else one is written here); `with_kernel_floor`: also time the
     step's kernels alone. A '-lora' backend trains `lora`'s adapters on the frozen base; its FLOPs and MFU
     count a full-weight step (LoRA skips the base's weight gradients): compare its time. No kernel floor.

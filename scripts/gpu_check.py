@@ -248,12 +248,13 @@ PARTS = [
     # k = 2, held-out success on 128 prompts before, at step 5 and after), engine and learner on the GPU;
     # every held-out episode in one engine batch (on 2 CPU cores 32 at a time is what pays)
     # long trajectories (16k tokens, a Qwen2.5-1.5B shape in bf16): GRPO, VCPO fast, VCPO per trajectory,
-    # recompute off/on, each row in its own process; megatron at TP = 1 without recompute (it refuses it),
-    # at 4k too: its local attention's dense (N, N) scores grow with the square of the micro-batch
+    # recompute off/on, each row in its own process; megatron at TP = 1 with its full recompute (its local
+    # attention's dense (N, N) scores grow with the square of the micro-batch: without recompute every
+    # layer's stay alive, 96 GiB at 16k on the last loan)
     Part("bench_learner_long", 330, _sweep_argv("[torch]", "learner_long"),
          lambda work, rehearse: _sweep_summary(work, rehearse, "learner_long")),
     Part("bench_megatron_long", 170, _sweep_argv("[megatron]", "megatron_long", (
-        "sweep.recompute=[false]", "sweep.rows=[grpo,vcpo_fast]", "sweep.lengths=[4096,16384]")),
+        "sweep.recompute=[true]", "sweep.rows=[grpo,vcpo_fast]", "sweep.lengths=[16384]")),
          lambda work, rehearse: _sweep_summary(work, rehearse, "megatron_long")),
     Part("main_job", 330, _train_argv("main_job", ["trainer.eval_concurrency=128",
                                                    "engine.max_batch_size=160"], 2),
