@@ -28,7 +28,8 @@ from benchmarks.staleness.timed import format_timed
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = (ROOT / "docs" / "results.md", ROOT / "docs" / "performance.md", ROOT / "README.md",
-         ROOT / "examples" / "long_horizon" / "README.md", ROOT / "docs" / "lora.md")
+         ROOT / "examples" / "long_horizon" / "README.md", ROOT / "docs" / "lora.md",
+         ROOT / "examples" / "openai_loop" / "README.md")
 """The pages with generated blocks."""
 
 _BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) from (?P<path>[\w./-]+) -->\n)(?P<body>.*?)"
@@ -419,6 +420,12 @@ def results_at_a_glance(files: dict[str, Any]) -> str:
         rows.append(f"| the main job training LoRA adapters (rank 16) instead of the full weights | "
                     f"{_test_gains(lora)}; against full fine-tuning of the same seeds at the end: "
                     f"{_versus_span(lora, 'full_finetune')} | [docs/lora.md](docs/lora.md) |")
+    program = files.get("main_job_openai_loop")
+    if program is not None:
+        rows.append(f"| the main job's episodes written as a user's program: a plain openai-SDK loop "
+                    f"against vcpo's endpoint | {_test_gains(program)}; against the built-in loop on the "
+                    f"same seeds at the end: {_versus_span(program, 'built_in_loop')} | "
+                    "[examples/openai_loop](examples/openai_loop/README.md) |")
     horizon = files.get("long_horizon")
     if horizon is not None:
         tests = [row["eval_sets"]["test"] for row in horizon["seeds"].values()]
