@@ -804,7 +804,8 @@ class LearnerConfig(StrictModel):
     more head GEMM), so memory stops growing with tokens × vocabulary (12k sampled tokens of a 152k
     vocabulary: 7.3 GB of fp32 logits, 3.7 GB more in bf16). The same log-probs and gradients within fp32
     rounding; VCPO's per-trajectory norms too. Micro-batches under the budget run in one pass as before
-    (the default run's do). null: always one pass. Torch backend, HF models with a plain output head."""
+    (the default run's do). null: always one pass. Torch backend with HF models' plain output head, and the
+    megatron backend with the model on one rank (TP = PP = CP = 1; split, its logits are gathered whole)."""
     lora: LoraSettings | None = None
     """Train LoRA adapters on a frozen base (`LoraSettings`; `pip install 'vcpo[lora]'`); null: the full
     weights. Torch backend only."""

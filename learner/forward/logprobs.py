@@ -109,9 +109,14 @@ def check_packing_aware(model: nn.Module) -> None:
         )
 
 
-def chunkable_head(model: nn.Module) -> nn.Linear | None:
+def chunkable_head(model: nn.Module) -> nn.Module | None:
     """`model`'s output head where its logits are exactly `decoder(x) · Wᵀ` (a plain bias-free `nn.Linear`
-    after `get_decoder()`, no logit scaling or soft-capping), so it can run in chunks; else None."""
+    after `get_decoder()`, no logit scaling or soft-capping), so it can run in chunks; else None. A model of
+    another kind says so itself: its `chunkable_head()` (a module with the head's `weight`, or None) and its
+    `target_hidden(**inputs, logits_to_keep=positions)` (the (K, H) inputs of that head)."""
+    own = getattr(model, "chunkable_head", None)
+    if own is not None:
+        return own()
     get_head, get_decoder = getattr(model, "get_output_embeddings", None), getattr(model, "get_decoder", None)
     if get_head is None or get_decoder is None:
         return None
@@ -158,8 +163,7 @@ def packed_target_logprobs(
     targets = batch.target_ids[batch.target_positions]
     if chunks is not None:
         hidden = _target_hidden(model, batch, inputs_embeds, layout)
-        return chunked_target_logprobs(hidden, model.get_output_embeddings(), targets, temperature, chunks,
-                                       head_grad)
+        return chunked_target_logprobs(hidden, chunkable_head(model), targets, temperature, chunks, head_grad)
     logits = _target_logits(model, batch, inputs_embeds, temperature, layout)
     return token_logprobs(logits, targets)
 
@@ -183,6 +187,8 @@ def _target_hidden(model: nn.Module, batch: PackedMicroBatch, inputs_embeds: Ten
                    layout: SharedPrefixLayout | None) -> Tensor:
     """(K, H) the decoder's last hidden states at the target positions: what the head reads."""
     inputs, targets = _forward_inputs(model, batch, inputs_embeds, layout)
+    if hasattr(model, "target_hidden"):
+        return model.target_hidden(**inputs, logits_to_keep=targets)
     hidden = model.get_decoder()(**inputs).last_hidden_state
     return hidden.squeeze(0).index_select(0, targets)
 

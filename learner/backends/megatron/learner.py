@@ -59,7 +59,7 @@ from learner.backends.megatron.model import MegatronCausalLM, export_hf_weights,
 from learner.backends.megatron.packed_grads import MegatronPackedGradHooks, fast_path_problem
 from learner.backends.torch_learner import TorchLearner, lr_at
 from learner.distributed.data_parallel import DataParallel
-from learner.forward.logprobs import packed_target_logprobs, trajectory_logliks
+from learner.forward.logprobs import head_chunk_plan, packed_target_logprobs, trajectory_logliks
 from learner.forward.packing import PackedMicroBatch
 from learner.traj_grads.opob_grad import BaselineFn, accumulate_opob_grad_per_trajectory, squared_sum
 from rollout.types import DEFAULT_TEMPERATURE
@@ -113,7 +113,8 @@ class MegatronLearner(TorchLearner):
     def __init__(self, hf_dir: str | Path, algo: AlgoConfig, optim: OptimConfig, megatron: MegatronConfig, *,
                  micro_batch_tokens: int, temperature: float = DEFAULT_TEMPERATURE,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 proximal: Literal["separate", "reuse", "auto"] = "separate") -> None:
+                 proximal: Literal["separate", "reuse", "auto"] = "separate",
+                 logits_chunk_mib: float | None = None) -> None:
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -133,7 +134,8 @@ class MegatronLearner(TorchLearner):
         data_parallel = DataParallel(parallel_state.get_data_parallel_rank(), replicas,
                                      parallel_state.get_data_parallel_group()) if replicas > 1 else None
         super().__init__(MegatronCausalLM(self.gpt), algo, optim, micro_batch_tokens=micro_batch_tokens,
-                         temperature=temperature, data_parallel=data_parallel, proximal=proximal)
+                         temperature=temperature, data_parallel=data_parallel, proximal=proximal,
+                         logits_chunk_mib=logits_chunk_mib)
         self.fast_norms = self.objective.needs_grad_norms and algo.objective.opob.grad_norm_path == "fast"
         """VCPO's norms on the fast packed path (else per trajectory, summed over shards)."""
         problem = fast_path_problem(self.model)
@@ -201,8 +203,9 @@ class MegatronLearner(TorchLearner):
         and zeroed — it holds nothing else during this pass (`_check_main_grads_empty`)."""
         if single.target_positions.numel() == 0:
             return [torch.zeros_like(p) for p in params]
+        chunks = head_chunk_plan(self.model, single, self.logits_chunk_mib)
         with torch.enable_grad():
-            logprobs = packed_target_logprobs(self.model, single, temperature=self.temperature)
+            logprobs = packed_target_logprobs(self.model, single, temperature=self.temperature, chunks=chunks)
             trajectory_logliks(logprobs, single)[0].backward()
         grads = []
         for param in params:
@@ -378,4 +381,5 @@ def build_megatron_learner(config: RunConfig, task: TaskConfig, cache_dir: Path)
     return MegatronLearner(hf_dir, config.algo, config.optim, megatron,
                            micro_batch_tokens=config.learner.micro_batch_tokens,
                            temperature=task.loop.temperature, dtype=dtype, proximal=config.learner.proximal,
-                           device=torch.device("cuda", torch.cuda.current_device()))
+                           device=torch.device("cuda", torch.cuda.current_device()),
+                           logits_chunk_mib=config.learner.logits_chunk_mib)

@@ -44,7 +44,7 @@ project imports without them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,7 +234,7 @@ class MegatronCausalLM(nn.Module):
         self.padding_idx: int | None = getattr(model.hf_config, "pad_token_id", None)
         """HF's Llama/Qwen2 embedding never updates the pad token's row from its lookups (nn.Embedding
         padding_idx); the same here, so both backends train the same model."""
-        self.output_projection = OutputProjection()
+        self.output_projection = OutputProjection(self._output_weight)
         """The (K, H) → (K, V/TP) product with the output weight, as a module so per-trajectory gradient
         hooks see its input and output gradient (it owns no parameter)."""
 
@@ -271,6 +271,30 @@ class MegatronCausalLM(nn.Module):
         if self.gpt.config.pipeline_model_parallel_size > 1:
             _broadcast_from_last_stage(logits.detach())
         return CausalLMOutput(logits.unsqueeze(0))
+
+    def chunkable_head(self) -> nn.Module | None:
+        """The output product, which the learner may run in chunks of target rows (`logits_chunk_mib`;
+        learner/forward/chunked_head.py) where this rank holds the whole vocabulary and the whole row
+        (TP = PP = CP = 1); None elsewhere (the logits are all-gathered over TP, broadcast from the last
+        stage, gathered over CP)."""
+        config = self.gpt.config
+        split = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
+                 config.context_parallel_size)
+        return self.output_projection if split == (1, 1, 1) else None
+
+    def target_hidden(self, input_ids: Tensor | None = None, position_ids: Tensor | None = None,
+                      use_cache: bool = False, logits_to_keep: Tensor | None = None,
+                      inputs_embeds: Tensor | None = None) -> Tensor:
+        """(K, H) final hidden states at `logits_to_keep`: what `chunkable_head` reads (arguments as
+        `forward`'s; one stage, the whole row)."""
+        if self.chunkable_head() is None or logits_to_keep is None or position_ids is None or use_cache:
+            raise ValueError("target_hidden needs TP = PP = CP = 1, position_ids and logits_to_keep")
+        return self._decode(input_ids, position_ids, inputs_embeds)[logits_to_keep, 0]
+
+    def _output_weight(self) -> Tensor:
+        gpt = self.gpt
+        return (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
+                else gpt.output_layer.weight)
 
     def _context_parallel_logits(self, hidden: Tensor, positions: Tensor, length: int) -> Tensor:
         """(K, V) logits at `positions` of the row from this CP rank's chunk of final hidden states
@@ -388,18 +412,24 @@ class MegatronCausalLM(nn.Module):
             gather_from_tensor_model_parallel_region,
         )
 
-        gpt = self.gpt
-        weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
-                  else gpt.output_layer.weight)
         # copy: identity forward, all-reduce of the (K, H) gradient backward (each rank's vocab shard
         # contributes part of it)
-        local = self.output_projection(copy_to_tensor_model_parallel_region(hidden), weight)
+        local = self.output_projection(copy_to_tensor_model_parallel_region(hidden), self._output_weight())
         return gather_from_tensor_model_parallel_region(local)
 
 
 class OutputProjection(nn.Module):
     """`F.linear(hidden, weight)` with the output weight passed in: the output layer's own weight, or the
-    embedding's when they are tied — no parameter of its own."""
+    embedding's when they are tied — no parameter of its own. `weight` reads it (what a chunked head
+    multiplies by)."""
+
+    def __init__(self, output_weight: Callable[[], Tensor]) -> None:
+        super().__init__()
+        self._output_weight = output_weight
+
+    @property
+    def weight(self) -> Tensor:
+        return self._output_weight()
 
     def forward(self, hidden: Tensor, weight: Tensor) -> Tensor:
         return F.linear(hidden, weight)

@@ -67,7 +67,7 @@ small per-token differences, ~0.1 here) with R moves by ~1e-5 when the log-ratio
 
 def _megatron_learner(hf_dir: Path, algo_name: str, grad_norm_path: str | None = None,
                       dtype: torch.dtype = torch.float32, proximal: str = "separate",
-                      **megatron: object) -> object:
+                      logits_chunk_mib: float | None = None, **megatron: object) -> object:
     from learner.backends.megatron.learner import MegatronLearner
     from tests.learner.megatron_cpu import cuda_on_cpu
 
@@ -79,7 +79,7 @@ def _megatron_learner(hf_dir: Path, algo_name: str, grad_norm_path: str | None =
         return MegatronLearner(hf_dir, algo, megatron_parity.OPTIM,
                                MegatronConfig.model_validate(megatron),
                                micro_batch_tokens=megatron_parity.MICRO_BATCH_TOKENS, dtype=dtype,
-                               proximal=proximal)
+                               proximal=proximal, logits_chunk_mib=logits_chunk_mib)
 
 
 def _step(learner: object, batch: object) -> megatron_parity.StepRecord:
@@ -223,6 +223,35 @@ def test_under_activation_recompute_the_fast_norm_path_takes_the_step_without_re
     per_trajectory = _megatron_learner(checkpoints["qwen2"], "vcpo", grad_norm_path="per_trajectory",
                                        **megatron)
     _assert_same_step(_step(per_trajectory, batch), want)
+
+
+@pytest.mark.parametrize(("kind", "algo_name", "grad_norm_path"), [
+    ("llama_tied", "grpo", None), ("llama_tied", "vcpo", None), ("qwen2", "vcpo", None),
+    ("llama_tied", "vcpo", "per_trajectory")])
+def test_the_output_head_in_chunks_of_target_rows_takes_the_same_step(
+        megatron_world: None, checkpoints: dict[str, Path], kind: str, algo_name: str,
+        grad_norm_path: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At TP = PP = CP = 1 the output product runs in chunks of target rows where its logits would pass
+    `logits_chunk_mib` (here ~16 rows: every micro-batch is cut), so no (K, V) block is ever whole: the
+    step — GRPO, VCPO on the fast path (its head handler takes the weight gradient chunk by chunk, a tied
+    embedding's cross term from the chunks' rows) and per trajectory — equals the one-pass step."""
+    from learner.forward import chunked_head
+
+    calls: list[int] = []
+    chunked = chunked_head.ChunkedHeadLogprobs.apply
+
+    def spy(*args: object) -> torch.Tensor:
+        calls.append(len(args[5]))  # the chunks
+        return chunked(*args)
+
+    monkeypatch.setattr(chunked_head.ChunkedHeadLogprobs, "apply", spy)
+    batch = megatron_parity.parity_batch(kind)
+    rows_mib = 16 * 160 * 4 / 2**20  # 16 fp32 rows of the 160-token vocabulary
+    got = _step(_megatron_learner(checkpoints[kind], algo_name, grad_norm_path, logits_chunk_mib=rows_mib),
+                batch)
+    assert calls and max(calls) > 1
+    want = _step(_megatron_learner(checkpoints[kind], algo_name, grad_norm_path), batch)
+    _assert_same_step(got, want)
 
 
 def test_under_full_recompute_grpo_takes_the_step_without_recompute(megatron_world: None,
