@@ -564,10 +564,10 @@ class LinearHandler(_Hooked):
         state = self.state
         partials = torch.stack([delta[start:end].T.float() @ x[start:end].float()
                                 for start, end in (self._segments[j] for j in shared)])
-        for i, j in enumerate(shared):
+        for j, partial in zip(shared, partials.to(delta.dtype), strict=True):
             reward_coef, baseline_coef = state.coefs_of(j)
-            add_to_grad(self.weight, partials[i].to(delta.dtype), -reward_coef)
-            state.buffers.add(state.group_of[j], self.weight, partials[i].to(delta.dtype), baseline_coef)
+            add_to_grad(self.weight, partial, -reward_coef)
+            state.buffers.add(state.group_of[j], self.weight, partial, baseline_coef)
         state.split.reduce(partials)  # now each trajectory's whole G_j
         if state.split.counts_shared:
             state.sq_norms.index_add_(0, torch.tensor(shared, device=partials.device),
