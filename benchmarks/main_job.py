@@ -25,11 +25,12 @@ from agent_env.evaluation.heldout import HeldoutResult, paired_change, result_fr
 from benchmarks.schema import MainJobBenchConfig
 from run.observability import metric_names as names
 from run.observability.metrics_log import read_metrics
-from run.observability.trend import reward_trend
+from run.observability.trend import TRAJECTORIES_FILE, reward_trend
 from run.train.warm_start import is_search_program
 
-EVIDENCE_FILES = ("config.yaml", "task.yaml", "summary.json", "metrics.jsonl", "trajectories.jsonl")
-"""A run's small files kept per seed, beside its `eval/` folder (checkpoints and exports stay behind)."""
+EVIDENCE_FILES = ("config.yaml", "task.yaml", "summary.json", "metrics.jsonl")
+"""A run's small files kept per seed, beside its `eval/` folder and its trajectory log without the text
+(checkpoints, exports and the trained episodes' text stay behind)."""
 
 TIMING_FILE = "timing.json"
 """The bench's own measurement of a seed's `vcpo train` process: wall seconds from launch to exit."""
@@ -77,6 +78,7 @@ def keep_evidence(run_dir: Path, evidence: Path, wall_s: float, base: Path | Non
     (tmp / "eval").mkdir(parents=True)
     for name in EVIDENCE_FILES:
         shutil.copy2(run_dir / name, tmp / name)
+    keep_trajectory_log(run_dir / TRAJECTORIES_FILE, tmp / TRAJECTORIES_FILE)
     for source, target in ((run_dir, tmp), *(((base, tmp / "base"),) if base is not None else ())):
         for path in sorted((source / "eval").glob("**/version_*.jsonl")):
             destination = target / "eval" / path.relative_to(source / "eval")
@@ -85,6 +87,30 @@ def keep_evidence(run_dir: Path, evidence: Path, wall_s: float, base: Path | Non
     (tmp / TIMING_FILE).write_text(json.dumps({"process_wall_s": round(wall_s, 1)}) + "\n")
     shutil.rmtree(evidence, ignore_errors=True)
     tmp.rename(evidence)
+
+
+def keep_trajectory_log(source: Path, target: Path) -> None:
+    """Copy the trajectory log without the trained episodes' text (each record's and each segment's): what
+    the summary reads — step, reward, lag, versions, turn and segment counts — stays; the text, most of the
+    file, stays in the run's folder (the held-out episodes' text is kept in the evaluation files). A line
+    that is not a record (a torn last line) is copied as it is, for `vcpo trend` to judge."""
+    lines = source.read_text(encoding="utf-8").splitlines(keepends=True)
+    with target.open("w", encoding="utf-8") as out:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            out.write(json.dumps(without_text(record)) + "\n" if isinstance(record, dict) else line)
+
+
+def without_text(record: dict[str, Any]) -> dict[str, Any]:
+    """A trajectory log record without its decoded text (its segments' too)."""
+    kept = {key: value for key, value in record.items() if key != "text"}
+    if isinstance(kept.get("segments"), list):
+        kept["segments"] = [{key: value for key, value in segment.items() if key != "text"}
+                            if isinstance(segment, dict) else segment for segment in kept["segments"]]
+    return kept
 
 
 def _strategies(path: Path) -> dict[str, dict[str, int]]:

@@ -80,8 +80,8 @@ class MainJobBenchConfig(StrictModel):
     """Where each seed trains (`<runs_dir>/seed_<s>`; checkpoints and exports stay here, uncommitted)."""
     evidence_dir: str = "docs/results/main_job_runs"
     """Where each finished seed's small files are copied (`<evidence_dir>/seed_<s>`): config, task,
-    summary.json, metrics.jsonl, trajectories.jsonl, eval/*.jsonl, timing.json. A seed already here is
-    not run again."""
+    summary.json, metrics.jsonl, trajectories.jsonl (without the episodes' text), eval/*.jsonl, timing.json.
+    A seed already here is not run again."""
     run: bool = True
     """False: summarize the evidence already stored, run nothing (a seed without evidence is an error)."""
     min_gain: float = Field(0.10, ge=0, le=1)

@@ -14,7 +14,13 @@ import pytest
 import yaml
 
 from benchmarks import BENCH_CONFIG_ROOT
-from benchmarks.main_job import TIMING_FILE, run_main_job_bench, summarize_main_job, summarize_seed
+from benchmarks.main_job import (
+    TIMING_FILE,
+    keep_trajectory_log,
+    run_main_job_bench,
+    summarize_main_job,
+    summarize_seed,
+)
 from benchmarks.schema import MainJobBenchConfig
 from run.train.warm_start import SEARCH_PROGRAM
 from tests.benchmarks.tiny_countdown import tiny_countdown_run
@@ -57,6 +63,12 @@ def test_each_seed_trains_once_keeps_its_evidence_and_is_summarized_from_it(
         assert {"startup", "RL", "held-out eval"} <= set(row["phases_s"]) and row["host"]["cpu"]
         config_used = yaml.safe_load((evidence / "config.yaml").read_text())
         assert config_used["seed"] == int(seed)
+        logged = (tmp_path / "runs" / f"seed_{seed}" / "trajectories.jsonl").read_text().splitlines()
+        kept = (evidence / "trajectories.jsonl").read_text().splitlines()
+        assert len(kept) == len(logged) > 0
+        for full, trimmed in zip(logged, kept, strict=True):
+            assert "text" in json.loads(full) and json.loads(trimmed) == {
+                key: value for key, value in json.loads(full).items() if key != "text"}
     stamp = (tmp_path / "evidence" / "seed_3" / TIMING_FILE).stat().st_mtime_ns
     again = run_main_job_bench(bench.model_copy(update={"run": False}), ROOT, progress=lines.append)
     assert again == result  # recomputed from the evidence alone, nothing rerun
@@ -89,6 +101,22 @@ def _evidence(folder: Path, evaluations: dict[int, list[bool]],
     trajectories = [{"step": step, "reward": float(i < step)} for step in (1, 2, 3) for i in range(4)]
     (folder / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajectories))
     return folder
+
+
+def test_the_kept_trajectory_log_drops_only_the_text_and_keeps_a_torn_line_as_it_was(tmp_path: Path) -> None:
+    records = [{"step": 1, "reward": 1.0, "turns": 7, "text": "Hop 1 of 7 …",
+                "segments": [{"context_tokens": 130, "sampled_tokens": 200, "text": "Hop 1 …"},
+                             {"context_tokens": 250, "sampled_tokens": 90, "text": "Hop 6 …"}]},
+               {"step": 2, "reward": 0.0, "turns": 2, "text": "no segments"}]
+    source = tmp_path / "trajectories.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 3, "rew')
+    keep_trajectory_log(source, tmp_path / "kept.jsonl")
+    lines = (tmp_path / "kept.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines[:2]] == [
+        {"step": 1, "reward": 1.0, "turns": 7, "segments": [{"context_tokens": 130, "sampled_tokens": 200},
+                                                            {"context_tokens": 250, "sampled_tokens": 90}]},
+        {"step": 2, "reward": 0.0, "turns": 2}]
+    assert lines[2] == '{"step": 3, "rew'  # `vcpo trend` drops a torn last line; it is not rewritten
 
 
 def test_the_gain_is_paired_by_prompt_and_a_significant_fall_fails_the_seed(tmp_path: Path) -> None:
