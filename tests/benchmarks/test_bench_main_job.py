@@ -161,6 +161,7 @@ def test_each_evaluation_counts_the_episodes_that_searched_with_a_program_and_ho
     ("main_job.yaml", "main_job.json"), ("main_job_long_horizon.yaml", "long_horizon.json"),
     ("main_job_long_horizon_truncate.yaml", "long_horizon_truncate.json"),
     ("main_job_long_horizon_truncate_tuned.yaml", "long_horizon_truncate_tuned.json"),
+    ("main_job_long_horizon_endpoints.yaml", "long_horizon_endpoints.json"),
     ("main_job_test.yaml", "main_job_test.json"), ("main_job_lora.yaml", "main_job_lora.json"),
     ("main_job_openai_loop.yaml", "main_job_openai_loop.json")])
 def test_a_committed_main_job_summary_is_what_its_evidence_gives(preset: str, summary: str) -> None:
