@@ -92,7 +92,8 @@ class VLLMEngineSettings(StrictFrozenModel):
     cache_root: str | None = None
     """vLLM's cache directory (VLLM_CACHE_ROOT: compiled graphs, keyed by vLLM on model config, shapes and
     code); None = `$VCPO_CACHE_DIR/vllm`, else `~/.cache/vcpo/vllm`, kept across runs so later starts
-    skip compilation."""
+    skip compilation. vLLM compiles into a folder of it per CPU kernel set (`cpu-avx2`, `cpu-avx512-…`), so
+    hosts that share it never read each other's graphs."""
     request_timeout_s: float = Field(3600.0, gt=0)
     """Longest a single generate may take before EngineTimeout (the request is aborted)."""
     step_timeout_s: float = Field(600.0, gt=0)

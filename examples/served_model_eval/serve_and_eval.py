@@ -233,7 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     port = args.port or free_port()
     command = server_command(model_dir, args.served_model, port, dtype=args.dtype,
                              max_model_len=args.max_model_len, on_cpu=on_cpu, eager=not args.compiled)
-    env = server_env(os.environ, vcpo_cache_root() / "vllm", on_cpu=on_cpu)
+    from rollout.engines.vllm_engine import kernel_cache_root  # the server runs this process's kernels
+
+    env = server_env(os.environ, kernel_cache_root(vcpo_cache_root() / "vllm"), on_cpu=on_cpu)
     print("serving:", " ".join(command), f"(log: {args.log})", file=sys.stderr)
     try:
         with VLLMServer(command, env, args.log, args.startup_timeout) as url:

@@ -20,7 +20,8 @@ requests report log softmax(logits).
 
 Process-wide effects (documented because they outlive the engine): start-up sets environment
 variables (VLLM_ENABLE_V1_MULTIPROCESSING=0, VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR under
-`settings.cache_root`; unless already set: VLLM_HOST_IP=127.0.0.1, VLLM_NO_USAGE_STATS=1,
+`settings.cache_root`'s folder for this host's CPU kernels, `kernel_cache_root`; unless already set:
+VLLM_HOST_IP=127.0.0.1, VLLM_NO_USAGE_STATS=1,
 VLLM_LOGGING_STREAM=stderr, VLLM_USE_AOT_COMPILE=0), initialises a one-rank torch.distributed
 group (torn down at close), and vLLM's CPU worker replaces `torch.set_num_threads` with a no-op —
 restored right after start-up. Threads: vLLM's worker would cut torch to one thread unless
@@ -78,7 +79,8 @@ class VLLMEngine(InferenceEngine):
         runtime = StepRuntime(
             self.name, step_timeout_s=settings.step_timeout_s, request_timeout_s=settings.request_timeout_s
         )
-        cache_root = Path(settings.cache_root) if settings.cache_root else vcpo_cache_root() / "vllm"
+        cache_root = kernel_cache_root(Path(settings.cache_root) if settings.cache_root
+                                       else vcpo_cache_root() / "vllm")
         try:
             self._shapes = checkpoint_shapes(self._model_dir)
             self._engine = await runtime.call(
@@ -192,6 +194,23 @@ class VLLMEngine(InferenceEngine):
 
     def _checked_runtime(self) -> StepRuntime:
         return StepRuntime.checked(self._runtime, self.name, self._engine is not None)
+
+def kernel_cache_root(cache_root: Path) -> Path:
+    """`cache_root`'s folder for the CPU kernels this process runs (`cpu-avx512-avx512_bf16-amx`, `cpu-avx2`,
+    …: ATen's dispatch level and torch's probes, so `ATEN_CPU_CAPABILITY` and an emulated host count). vLLM
+    keys its compiled graphs on the model, shapes and its code, not on those kernels, and on a CPU they
+    differ in how weights are packed and caches laid out: graphs built under one kernel set and read under
+    another (a cache on storage that hosts share, or a host emulating another) give NaN or positive
+    log-probs. One folder per kernel set keeps them apart; the first start under a new one compiles."""
+    import torch
+
+    features = [torch.backends.cpu.get_cpu_capability().lower()]
+    for name, probe in (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx", "_is_amx_tile_supported"),
+                        ("vnni", "_is_vnni_supported")):
+        if getattr(torch.cpu, probe, lambda: False)():
+            features.append(name)
+    return cache_root / "-".join(["cpu", *features])
+
 
 # ---------------------------------------------------------------------- engine-thread functions
 

