@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from learner.forward.fused_layers import RMS_NORM_CLASSES
-from learner.forward.logprobs import autocast, head_chunk_plan, packed_target_logprobs
+from learner.forward.logprobs import autocast, chunkable_head, head_chunk_plan, packed_target_logprobs
 from learner.forward.packing import PackedMicroBatch
 from learner.traj_grads.handlers import (
     ApplyPlan,
@@ -236,8 +236,9 @@ class PackedGradHooks:
         another part of it computed (nothing on one process)."""
 
     def _head_handler(self) -> LinearHandler | None:
-        """The handler of the output head's weight (None when the head is frozen)."""
-        head = self.model.get_output_embeddings()
+        """The handler of the chunked output head's weight (`chunkable_head`: the model's own or HF's plain
+        head; None when the head is frozen or not hooked here)."""
+        head = chunkable_head(self.model)
         return next((handler for module, handler in self.hooked if module is head), None)
 
     def apply(self, plan: ApplyPlan) -> None:

@@ -195,6 +195,7 @@ class VLLMEngine(InferenceEngine):
     def _checked_runtime(self) -> StepRuntime:
         return StepRuntime.checked(self._runtime, self.name, self._engine is not None)
 
+
 def kernel_cache_root(cache_root: Path) -> Path:
     """`cache_root`'s folder for the CPU kernels this process runs (`cpu-avx512-avx512_bf16-amx`, `cpu-avx2`,
     …: ATen's dispatch level and torch's probes, so `ATEN_CPU_CAPABILITY` and an emulated host count). vLLM

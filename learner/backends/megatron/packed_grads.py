@@ -167,11 +167,6 @@ class MegatronPackedGradHooks(PackedGradHooks):
             dist.recv(rows, src=parallel_state.get_pipeline_model_parallel_last_rank())
             state.tied_rows = [rows]
 
-    def _head_handler(self) -> LinearHandler | None:
-        """The output product's handler (None when the output weight is frozen or on another stage)."""
-        return next((handler for module, handler in self.hooked if module is self.model.output_projection),
-                    None)
-
     @property
     def vocab_size(self) -> int:
         return int(self.model.gpt.vocab_size)
